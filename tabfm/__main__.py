@@ -1,0 +1,5 @@
+import sys
+
+from tabfm.cli import main
+
+sys.exit(main())
