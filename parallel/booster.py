@@ -1,0 +1,154 @@
+"""Booster: the one object a training loop talks to. Switching strategy = switching the plugin.
+
+    booster = Booster(plugin=SingleProcessPlugin(), precision="bf16")
+    model, optimizer, criterion, loader, scheduler = booster.boost(model, optimizer, criterion, loader, scheduler)
+    loss = criterion(model(x), y)
+    booster.backward(loss, optimizer)
+    booster.clip_grad_norm_(optimizer, 1.0)
+    optimizer.step(); optimizer.zero_grad(); scheduler.step()
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .checkpoint import CheckpointMeta
+from .plugin import Plugin
+from .plugins.single import SingleProcessPlugin
+from .precision import MixedPrecision
+from .wrappers import ModelWrapper, OptimizerWrapper
+
+_STEP = re.compile(r"step_(\d+)$")
+
+
+class Booster:
+    """Front door of the engine; every call delegates to the plugin.
+
+    plugin      the strategy (default: `SingleProcessPlugin()` on the best local device).
+    precision   "fp32" | "bf16" | "fp16" | MixedPrecision; may instead be given to the plugin.
+    """
+
+    def __init__(self, plugin: Plugin | None = None, precision: "str | MixedPrecision | None" = None) -> None:
+        self.plugin = plugin if plugin is not None else SingleProcessPlugin()
+        if precision is not None:
+            self.plugin.set_precision(precision)
+
+    @property
+    def device(self) -> torch.device:
+        return self.plugin.device
+
+    @property
+    def precision(self) -> MixedPrecision:
+        return self.plugin.precision
+
+    # --- setup -----------------------------------------------------------------------------
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
+        """Place/shard/wrap the training objects; returns them in the same order.
+
+        Create the optimizer and scheduler on the plain model's parameters first; plugins that
+        shard parameters rebuild the optimizer around the shards.
+        """
+        if isinstance(model, ModelWrapper):
+            raise ValueError("model is already boosted")
+        if isinstance(optimizer, OptimizerWrapper):
+            raise ValueError("optimizer is already boosted")
+        return self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler)
+
+    def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 0,
+                           **kwargs: Any) -> DataLoader:
+        """This data-parallel rank's DataLoader over `dataset` (see `Plugin.prepare_dataloader`)."""
+        return self.plugin.prepare_dataloader(dataset, batch_size, shuffle=shuffle, seed=seed, **kwargs)
+
+    # --- the step --------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
+        """loss.backward(), with loss scaling and gradient reduction as the plugin requires."""
+        self.plugin.backward(loss, optimizer)
+
+    def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> ContextManager[None]:
+        """Wrap all but the last accumulation micro-batch: gradients accumulate without syncing."""
+        return self.plugin.no_sync(model, optimizer)
+
+    def clip_grad_norm_(self, optimizer: OptimizerWrapper, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip to global norm `max_norm` (over all shards/ranks); return the pre-clip norm."""
+        return self.plugin.clip_grad_norm_(optimizer, max_norm, norm_type)
+
+    def autocast(self) -> ContextManager[Any]:
+        """Autocast for compute outside the boosted model (the model's forward already uses it)."""
+        return self.plugin.autocast()
+
+    def execute_pipeline(self, data_iter: Iterator[Any], model: ModelWrapper, criterion: Callable,
+                         optimizer: OptimizerWrapper | None = None, return_loss: bool = True,
+                         return_outputs: bool = False) -> dict[str, Any]:
+        """Forward + backward of one batch through a pipeline-parallel model (pipeline plugins only)."""
+        return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
+
+    # --- state -----------------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        path: str | Path,
+        *,
+        model: nn.Module | None = None,
+        optimizer: OptimizerWrapper | None = None,
+        lr_scheduler: Any | None = None,
+        extra: dict[str, Any] | None = None,
+        step: int | None = None,
+        keep_last: int | None = None,
+    ) -> Path:
+        """Atomically write a checkpoint directory (e.g. `checkpoint_dir(root, step)`).
+
+        `extra` holds trainer state (step, data-stream state, ...) as a nest of python values
+        and tensors; RNG states are added automatically. The step recorded in the manifest is
+        `step`, else `extra["step"]`, else the number in the directory name. With `keep_last`
+        only the newest K complete checkpoints beside `path` survive.
+        """
+        path = Path(path)
+        step = self._resolve_step(path, step, extra)
+        meta = CheckpointMeta(step=step, plugin=self.plugin.name, precision=self.plugin.precision.dtype,
+                              layout=self.plugin.layout())
+        return self.plugin.checkpoint_io.save_checkpoint(
+            path, meta, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, extra=extra,
+            keep_last=keep_last)
+
+    def load_checkpoint(
+        self,
+        path: str | Path,
+        *,
+        model: nn.Module | None = None,
+        optimizer: OptimizerWrapper | None = None,
+        lr_scheduler: Any | None = None,
+        strict: bool = True,
+        restore_rng: bool = True,
+    ) -> dict[str, Any]:
+        """Load into the (boosted) objects given; restore RNG states; return `extra`."""
+        return self.plugin.checkpoint_io.load_checkpoint(
+            path, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, strict=strict,
+            restore_rng=restore_rng)
+
+    def export(self, model: nn.Module, out_dir: str | Path, config: dict[str, Any]) -> Path:
+        """Write exactly `model.safetensors` + `config.json` to `out_dir` (atomically)."""
+        return self.plugin.checkpoint_io.export(model, out_dir, config)
+
+    @staticmethod
+    def _resolve_step(path: Path, step: int | None, extra: dict[str, Any] | None) -> int:
+        if step is None and extra is not None and isinstance(extra.get("step"), int):
+            step = extra["step"]
+        if step is None and (m := _STEP.search(path.name)):
+            step = int(m.group(1))
+        if step is None:
+            raise ValueError(f"cannot tell the step of checkpoint {path}: pass step= or extra={{'step': ...}}")
+        return int(step)
+
+    def __repr__(self) -> str:
+        return f"Booster({self.plugin!r})"
