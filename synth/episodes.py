@@ -1,0 +1,100 @@
+"""Episodes: which rows a table shows as context and which cells it hides as queries.
+
+One generated table becomes one training question. Prediction episodes
+(classification, regression) hide the target column of the non-context rows;
+imputation episodes show every row and hide a random subset of observed cells.
+The hidden cells keep their true values in x (the loss needs them); the model only
+sees them through TableBatch.visible_x(). `pack` stacks B tables of one shape into
+a TableBatch without copying more than once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from data.batch import PAD, TableBatch
+from synth.table import CLASSIFICATION, REGRESSION, SynthTable
+
+IMPUTATION = "imputation"
+TASKS = (CLASSIFICATION, REGRESSION, IMPUTATION)
+
+
+@dataclass(frozen=True)
+class Episode:
+    """The question asked of one table: context rows (R,) and query cells (R, C), both bool."""
+
+    task: str
+    context: np.ndarray
+    query: np.ndarray
+
+
+def prediction_episode(table: SynthTable, rng: np.random.Generator, context_fraction: tuple[float, float]) -> Episode:
+    """Label a random fraction of rows as context; query the target of all other rows.
+
+    The number of context rows is clamped to [1, R-1] so every episode has both
+    something to learn from and something to predict.
+    """
+    n_rows, n_cols = table.shape
+    if n_rows < 2:
+        raise ValueError(f"a prediction episode needs at least 2 rows, got {n_rows}")
+    lo, hi = context_fraction
+    n_ctx = int(np.clip(round(rng.uniform(lo, hi) * n_rows), 1, n_rows - 1))
+    context = np.zeros(n_rows, dtype=bool)
+    context[rng.permutation(n_rows)[:n_ctx]] = True
+    query = np.zeros((n_rows, n_cols), dtype=bool)
+    query[~context, table.target] = True
+    return Episode(task=table.task, context=context, query=query)
+
+
+def imputation_episode(table: SynthTable, rng: np.random.Generator, mask_fraction: tuple[float, float]) -> Episode:
+    """Show every row; hide round(f * observed) observed cells, f ~ U(mask_fraction).
+
+    Already-missing (NaN) cells are never queried: they have no value to score.
+    At least one cell is hidden when any is observed, so the episode is never empty.
+    """
+    n_rows, n_cols = table.shape
+    observed = np.flatnonzero(~np.isnan(table.X).ravel())
+    lo, hi = mask_fraction
+    k = int(round(rng.uniform(lo, hi) * observed.size))
+    k = min(max(k, 1), observed.size)
+    query = np.zeros(n_rows * n_cols, dtype=bool)
+    if k:
+        query[rng.choice(observed, size=k, replace=False)] = True
+    return Episode(task=IMPUTATION, context=np.ones(n_rows, dtype=bool), query=query.reshape(n_rows, n_cols))
+
+
+def pack(tables: Sequence[SynthTable], episodes: Sequence[Episode], rows: int, cols: int) -> TableBatch:
+    """Stack tables (each at most rows x cols) and their episodes into one padded TableBatch."""
+    if len(tables) != len(episodes) or not tables:
+        raise ValueError(f"pack needs one episode per table and at least one table; got {len(tables)} tables, {len(episodes)} episodes")
+    b = len(tables)
+    x = np.zeros((b, rows, cols), dtype=np.float32)
+    kind = np.full((b, cols), PAD, dtype=np.int8)
+    card = np.zeros((b, cols), dtype=np.int64)
+    row_valid = np.zeros((b, rows), dtype=bool)
+    col_valid = np.zeros((b, cols), dtype=bool)
+    context = np.zeros((b, rows), dtype=bool)
+    query = np.zeros((b, rows, cols), dtype=bool)
+    for i, (t, e) in enumerate(zip(tables, episodes)):
+        r, c = t.shape
+        if r > rows or c > cols:
+            raise ValueError(f"table {i} has shape {(r, c)}, larger than the batch shape {(rows, cols)}")
+        x[i, :r, :c] = t.X
+        kind[i, :c] = t.kind
+        card[i, :c] = t.cardinality
+        row_valid[i, :r] = True
+        col_valid[i, :c] = True
+        context[i, :r] = e.context
+        query[i, :r, :c] = e.query
+    return TableBatch(
+        x=torch.from_numpy(x),
+        kind=torch.from_numpy(kind),
+        cardinality=torch.from_numpy(card),
+        row_valid=torch.from_numpy(row_valid),
+        col_valid=torch.from_numpy(col_valid),
+        context=torch.from_numpy(context),
+        query=torch.from_numpy(query),
+    )

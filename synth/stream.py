@@ -1,0 +1,286 @@
+"""SynthStream: an endless, seeded, size-bucketed stream of synthetic TableBatches.
+
+Stream position p is one training step. Its shape (rows R, columns C, batch size B)
+is a pure function of (seed, p), so every data-parallel rank at step p builds a
+batch of the same shape and cost. Rank r's table j at position p is a pure function
+of (seed, p, r, j): no two ranks or workers see the same table, any table can be
+rebuilt from its index, and resuming needs only the next position.
+
+Sizes: R is a multiple of `row_quantum` (shapes form a finite set of buckets),
+R*C <= max_cells, and B = clamp(cells_per_batch // (R*C), 1, max_batch), so every
+batch carries about the same number of cells whatever its shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+
+from data.batch import TableBatch
+from synth.config import PriorConfig
+from synth.episodes import IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode
+from synth.prior import sample_table
+from synth.table import CLASSIFICATION, REGRESSION, SynthTable
+
+# spawn-key domains: keep the random streams of shapes, tables and raw frames apart
+_SHAPE, _TABLE, _RAW = 0, 1, 2
+_SHAPE_TRIES = 64
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Sizes, batching and episode mix of a synthetic stream (the prior is `prior`).
+
+    Columns count the target. Rows are rounded to multiples of `row_quantum`.
+    The episode mix (classification / regression / imputation) is normalised.
+    """
+
+    prior: PriorConfig = field(default_factory=PriorConfig)
+    min_rows: int = 64
+    max_rows: int = 1024
+    min_cols: int = 2
+    max_cols: int = 64
+    max_cells: int = 32768
+    row_quantum: int = 32
+    cells_per_batch: int = 131072
+    max_batch: int = 64
+    classification: float = 0.4
+    regression: float = 0.3
+    imputation: float = 0.3
+    context_fraction: tuple[float, float] = (0.3, 0.9)
+    mask_fraction: tuple[float, float] = (0.05, 0.3)
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        # the pretraining default: tables up to 1024 x 64, ~128k cells per batch
+        "default": {},
+        # a quick look or a CPU smoke run: tables up to 256 x 16
+        "small": dict(min_rows=16, max_rows=256, min_cols=2, max_cols=16, max_cells=4096,
+                      row_quantum=16, cells_per_batch=16384, max_batch=32),
+        # unit tests: tables up to 64 x 8
+        "tiny": dict(min_rows=8, max_rows=64, min_cols=2, max_cols=8, max_cells=512,
+                     row_quantum=8, cells_per_batch=2048, max_batch=16),
+        # larger tables for longer pretraining
+        "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
+                      row_quantum=64, cells_per_batch=524288, max_batch=128),
+    }
+
+    @classmethod
+    def preset(cls, name: str = "default", **overrides: Any) -> "StreamConfig":
+        """A named configuration with field overrides (validated)."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown StreamConfig preset {name!r}; choose from {', '.join(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "StreamConfig":
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def row_range(self) -> tuple[int, int]:
+        """Smallest and largest row count after rounding to row_quantum."""
+        q = self.row_quantum
+        return -(-self.min_rows // q) * q, self.max_rows // q * q
+
+    @property
+    def mix(self) -> dict[str, float]:
+        """Normalised episode mix {task: probability}."""
+        w = {CLASSIFICATION: self.classification, REGRESSION: self.regression, IMPUTATION: self.imputation}
+        total = sum(w.values())
+        return {k: v / total for k, v in w.items()}
+
+    # ------------------------------------------------------------- validation
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"StreamConfig.{name} {msg} (got {getattr(self, name.split('.')[0])!r})")
+
+        if not isinstance(self.prior, PriorConfig):
+            raise ValueError(f"StreamConfig.prior must be a PriorConfig, got {type(self.prior).__name__}")
+        for name in ("min_rows", "max_rows", "min_cols", "max_cols", "max_cells", "row_quantum", "cells_per_batch", "max_batch"):
+            v = getattr(self, name)
+            need(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0, name, "must be a positive integer")
+        need(self.min_rows >= 2, "min_rows", "must be >= 2 (a prediction episode needs a context and a query row)")
+        need(self.min_rows <= self.max_rows, "min_rows", f"must be <= max_rows={self.max_rows}")
+        need(self.min_cols >= 2, "min_cols", "must be >= 2 (the target and at least one feature)")
+        need(self.min_cols <= self.max_cols, "min_cols", f"must be <= max_cols={self.max_cols}")
+        lo, hi = self.row_range
+        need(lo <= hi, "row_quantum", f"leaves no multiple of itself in [min_rows, max_rows] = [{self.min_rows}, {self.max_rows}]")
+        need(lo * self.min_cols <= self.max_cells, "max_cells",
+             f"must be >= the smallest table, {lo} rows x {self.min_cols} cols = {lo * self.min_cols}")
+        need(self.max_cells <= self.cells_per_batch, "cells_per_batch", f"must be >= max_cells={self.max_cells}")
+        max_classes = getattr(self.prior, "max_classes", 2)
+        if not (isinstance(max_classes, numbers.Integral) and max_classes >= 2):
+            raise ValueError(f"StreamConfig.prior.max_classes must be an integer >= 2 (got {max_classes!r})")
+        p_cls = getattr(self.prior, "p_classification", 0.5)
+        if not 0.0 <= p_cls <= 1.0:
+            raise ValueError(f"StreamConfig.prior.p_classification must be in [0, 1] (got {p_cls!r})")
+        for name in ("classification", "regression", "imputation"):
+            v = getattr(self, name)
+            need(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0.0 <= v <= 1.0, name, "must be a probability in [0, 1]")
+        if self.classification + self.regression + self.imputation <= 0:
+            raise ValueError("StreamConfig.classification + regression + imputation (the episode mix) must sum to > 0")
+        for name, open_low in (("context_fraction", True), ("mask_fraction", False)):
+            v = getattr(self, name)
+            ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(u, numbers.Real) for u in v)
+            need(ok, name, "must be a (low, high) pair")
+            need(0.0 <= v[0] <= v[1] <= 1.0 and (v[1] > 0 or not open_low), name, "must satisfy 0 <= low <= high <= 1")
+            object.__setattr__(self, name, (float(v[0]), float(v[1])))  # frozen: normalise once here
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The shape of one stream position: B tables of R rows x C columns."""
+
+    rows: int
+    cols: int
+    batch: int
+
+    @property
+    def cost(self) -> int:
+        """Cells in the batch, B * R * C."""
+        return self.batch * self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What a batch holds beyond its tensors: where it came from and which task each table poses."""
+
+    position: int
+    rank: int
+    tasks: tuple[str, ...]
+    n_classes: tuple[int, ...]  # classes of each classification target, 0 for the other tasks
+
+
+def bucket_at(cfg: StreamConfig, seed: int, position: int) -> Bucket:
+    """The shape of stream position `position`: a pure function of (cfg, seed, position).
+
+    R and C are drawn uniformly (R over multiples of row_quantum) and redrawn while
+    R*C > max_cells; after a few misses R is cut to fit, so the draw always ends.
+    """
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_SHAPE, position)))
+    q = cfg.row_quantum
+    lo, hi = cfg.row_range
+    for _ in range(_SHAPE_TRIES):
+        rows = int(rng.integers(lo // q, hi // q + 1)) * q
+        cols = int(rng.integers(cfg.min_cols, cfg.max_cols + 1))
+        if rows * cols <= cfg.max_cells:
+            break
+    else:
+        cols = min(cols, cfg.max_cells // lo)
+        rows = max(lo, cfg.max_cells // cols // q * q)
+    batch = int(np.clip(cfg.cells_per_batch // (rows * cols), 1, cfg.max_batch))
+    return Bucket(rows=rows, cols=cols, batch=batch)
+
+
+def table_rng(seed: int, position: int, rank: int, index: int, domain: int = _TABLE) -> np.random.Generator:
+    """The generator of table `index` of rank `rank` at stream position `position`."""
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(domain, position, rank, index)))
+
+
+def _check_index(name: str, value: int, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class SynthStream:
+    """An endless iterable of TableBatches for rank `rank` of `world_size`.
+
+    Iteration starts at `position` and advances it by one per yielded batch, so
+    `state_dict()` taken after k batches resumes at batch k exactly.
+    """
+
+    def __init__(self, cfg: StreamConfig | None = None, seed: int = 0, rank: int = 0, world_size: int = 1, position: int = 0):
+        self.cfg = StreamConfig() if cfg is None else cfg
+        if not isinstance(self.cfg, StreamConfig):
+            raise ValueError(f"SynthStream cfg must be a StreamConfig, got {type(self.cfg).__name__}")
+        self.seed = _check_index("seed", seed)
+        self.world_size = _check_index("world_size", world_size, 1)
+        self.rank = _check_index("rank", rank)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be < world_size={self.world_size}, got {self.rank}")
+        self.position = _check_index("position", position)
+        prior = self.cfg.prior
+        # one prior per task, so the episode mix (not the prior) decides the task of a prediction table
+        self._priors = {
+            CLASSIFICATION: dataclasses.replace(prior, p_classification=1.0),
+            REGRESSION: dataclasses.replace(prior, p_classification=0.0),
+            IMPUTATION: prior,
+        }
+        mix = self.cfg.mix
+        self._tasks = list(mix)
+        self._cum = np.cumsum([mix[t] for t in self._tasks])
+
+    # ------------------------------------------------------------ generation
+    def bucket(self, position: int) -> Bucket:
+        """Shape of `position` (the same on every rank)."""
+        return bucket_at(self.cfg, self.seed, position)
+
+    def table(self, position: int, index: int) -> tuple[SynthTable, Episode]:
+        """Table `index` of this rank at `position` and the episode it poses."""
+        b = self.bucket(position)
+        return self._table(position, index, b.rows, b.cols)
+
+    def _table(self, position: int, index: int, rows: int, cols: int) -> tuple[SynthTable, Episode]:
+        rng = table_rng(self.seed, position, self.rank, index)
+        task = self._tasks[min(int(np.searchsorted(self._cum, rng.random(), side="right")), len(self._tasks) - 1)]
+        table = sample_table(self._priors[task], rng, rows, cols)
+        if task == IMPUTATION:
+            episode = imputation_episode(table, rng, self.cfg.mask_fraction)
+        else:
+            episode = prediction_episode(table, rng, self.cfg.context_fraction)
+        return table, episode
+
+    def episode_at(self, position: int) -> tuple[TableBatch, BatchInfo]:
+        """The batch at `position` with its BatchInfo (tasks, classes)."""
+        position = _check_index("position", position)
+        b = self.bucket(position)
+        pairs = [self._table(position, j, b.rows, b.cols) for j in range(b.batch)]
+        tables = [t for t, _ in pairs]
+        episodes = [e for _, e in pairs]
+        info = BatchInfo(
+            position=position,
+            rank=self.rank,
+            tasks=tuple(e.task for e in episodes),
+            n_classes=tuple(int(t.cardinality[t.target]) if e.task == CLASSIFICATION else 0 for t, e in pairs),
+        )
+        return pack(tables, episodes, b.rows, b.cols), info
+
+    def batch_at(self, position: int) -> TableBatch:
+        """The TableBatch at `position`."""
+        return self.episode_at(position)[0]
+
+    def frames_at(self, position: int) -> tuple[list, BatchInfo]:
+        """The same tables as `episode_at(position)`, as raw pandas DataFrames (slow path)."""
+        from synth.raw import to_frame  # pandas path, only loaded when asked for
+
+        position = _check_index("position", position)
+        b = self.bucket(position)
+        frames, tasks, classes = [], [], []
+        for j in range(b.batch):
+            table, episode = self._table(position, j, b.rows, b.cols)
+            frames.append(to_frame(table, table_rng(self.seed, position, self.rank, j, _RAW), self.cfg.prior))
+            tasks.append(episode.task)
+            classes.append(int(table.cardinality[table.target]) if episode.task == CLASSIFICATION else 0)
+        return frames, BatchInfo(position, self.rank, tuple(tasks), tuple(classes))
+
+    # ------------------------------------------------------------- iteration
+    def __iter__(self) -> Iterator[TableBatch]:
+        while True:
+            batch = self.batch_at(self.position)
+            self.position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream stands: the next position to generate (and the seed that must match)."""
+        return {"seed": self.seed, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a state_dict(); the seed must be the one the state was saved with."""
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"state was saved with seed {state['seed']}, this stream has seed {self.seed}")
+        self.position = _check_index("position", state["position"])

@@ -1,0 +1,244 @@
+"""`tabfm synth`: generate a stretch of the synthetic training stream and summarise it.
+
+A first look at what the model trains on: sizes and shape buckets, the episode
+mix, classes, missing and categorical rates, and how fast the prior runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_BATCHES = 24
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "synth",
+        help="generate and summarise the synthetic-table stream",
+        description="Generate batches of the seeded synthetic-table stream and print a summary.",
+    )
+    p.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
+    p.add_argument("--batches", type=int, default=DEFAULT_BATCHES, help=f"batches to generate (default {DEFAULT_BATCHES})")
+    p.add_argument("--preset", default="default", help="StreamConfig preset: default, small, tiny, large")
+    p.add_argument("--rows", metavar="MIN:MAX", help="rows per table (overrides the preset)")
+    p.add_argument("--cols", metavar="MIN:MAX", help="columns per table, target included (overrides the preset)")
+    p.add_argument("--max-cells", type=int, help="cap on rows x columns of one table")
+    p.add_argument("--cells-per-batch", type=int, help="cells per batch (sets the batch size of each shape)")
+    p.add_argument("--mix", metavar="C,R,I", help="episode mix: classification,regression,imputation weights")
+    p.add_argument("--rank", type=int, default=0, help="data-parallel rank to generate for (default 0)")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel world size (default 1)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0: main process)")
+    p.add_argument("--raw", action="store_true", help="generate raw pandas DataFrames (dates, text, ...) instead of tensors")
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+# ------------------------------------------------------------------ config
+def _range(text: str, flag: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{flag} expects MIN:MAX integers, got {text!r}") from None
+    return lo, hi
+
+
+def build_config(args: argparse.Namespace):
+    """The StreamConfig the flags describe: preset, then overrides, sizes made to fit each other."""
+    from synth.stream import StreamConfig
+
+    cfg = StreamConfig.preset(args.preset)
+    changes: dict[str, Any] = {}
+    if args.rows:
+        changes["min_rows"], changes["max_rows"] = _range(args.rows, "--rows")
+    if args.cols:
+        changes["min_cols"], changes["max_cols"] = _range(args.cols, "--cols")
+    if args.mix:
+        try:
+            weights = [float(v) for v in args.mix.split(",")]
+        except ValueError:
+            weights = []
+        if len(weights) != 3:
+            raise ValueError(f"--mix expects three comma-separated weights C,R,I, got {args.mix!r}")
+        changes["classification"], changes["regression"], changes["imputation"] = weights
+    if args.rows or args.cols:
+        # keep the preset's bucketing where it fits, loosen it where the new sizes need it
+        lo_r, hi_r = changes.get("min_rows", cfg.min_rows), changes.get("max_rows", cfg.max_rows)
+        lo_c = changes.get("min_cols", cfg.min_cols)
+        q = cfg.row_quantum
+        while q > 1 and -(-lo_r // q) * q > hi_r:
+            q //= 2
+        changes["row_quantum"] = max(q, 1)
+        lo_q = -(-lo_r // changes["row_quantum"]) * changes["row_quantum"]
+        if args.max_cells is None:
+            changes["max_cells"] = max(cfg.max_cells, lo_q * lo_c)
+    if args.max_cells is not None:
+        changes["max_cells"] = args.max_cells
+    if args.cells_per_batch is not None:
+        changes["cells_per_batch"] = args.cells_per_batch
+    elif "max_cells" in changes:
+        changes["cells_per_batch"] = max(cfg.cells_per_batch, changes["max_cells"])
+    return cfg.replace(**changes) if changes else cfg
+
+
+# ----------------------------------------------------------------- summary
+class Summary:
+    """Accumulates what the stream produced; `to_dict()` is the JSON, `render()` the table."""
+
+    def __init__(self, cfg, seed: int, raw: bool):
+        self.cfg, self.seed, self.raw = cfg, seed, raw
+        self.batches = self.tables = self.cells = self.missing = self.query = 0
+        self.columns = self.categorical = 0
+        self.shapes: Counter = Counter()  # (rows, cols) -> tables
+        self.tasks: Counter = Counter()
+        self.classes: Counter = Counter()
+        self.dtypes: Counter = Counter()
+        self.seconds = 0.0
+
+    def add_batch(self, batch, info) -> None:
+        from data.batch import CATEGORICAL
+
+        b, r, c = batch.shape
+        valid = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
+        self._add_common(info, b, r, c)
+        self.cells += int(valid.sum())
+        self.missing += int((batch.x.isnan() & valid).sum())
+        self.query += int(batch.query.sum())
+        self.columns += int(batch.col_valid.sum())
+        self.categorical += int((batch.kind == CATEGORICAL).sum())
+
+    def add_frames(self, frames, info) -> None:
+        r = max(len(f) for f in frames)
+        c = max(f.shape[1] for f in frames)
+        self._add_common(info, len(frames), r, c)
+        for f in frames:
+            self.cells += int(f.size)
+            self.missing += int(f.isna().to_numpy().sum())
+            self.columns += f.shape[1]
+            for dtype in f.dtypes:
+                name = _dtype_name(dtype)
+                self.dtypes[name] += 1
+                self.categorical += name in ("category", "text", "bool")
+
+    def _add_common(self, info, b: int, r: int, c: int) -> None:
+        self.batches += 1
+        self.tables += b
+        self.shapes[(r, c)] += b
+        self.tasks.update(info.tasks)
+        self.classes.update(k for k in info.n_classes if k)
+
+    def to_dict(self) -> dict[str, Any]:
+        secs = max(self.seconds, 1e-9)
+        mix = self.cfg.mix
+        d: dict[str, Any] = {
+            "seed": self.seed,
+            "raw": self.raw,
+            "batches": self.batches,
+            "tables": self.tables,
+            "cells": self.cells,
+            "distinct_shapes": len(self.shapes),
+            "rows_histogram": _histogram({r: n for (r, _), n in self.shapes.items()}, *self.cfg.row_range),
+            "cols_histogram": _histogram({c: n for (_, c), n in self.shapes.items()}, self.cfg.min_cols, self.cfg.max_cols),
+            "tasks": {t: {"tables": self.tasks[t], "fraction": self.tasks[t] / max(self.tables, 1), "configured": mix[t]} for t in mix},
+            "classes": {str(k): self.classes[k] for k in sorted(self.classes)},
+            "missing_rate": self.missing / max(self.cells, 1),
+            "categorical_fraction": self.categorical / max(self.columns, 1),
+            "seconds": self.seconds,
+            "tables_per_s": self.tables / secs,
+            "cells_per_s": self.cells / secs,
+        }
+        if self.raw:
+            d["dtypes"] = dict(self.dtypes.most_common())
+        else:
+            d["query_fraction"] = self.query / max(self.cells, 1)
+        return d
+
+    def render(self) -> str:
+        d = self.to_dict()
+        out = [
+            f"tabfm synth  seed={d['seed']}  preset rows {self.cfg.min_rows}:{self.cfg.max_rows}  "
+            f"cols {self.cfg.min_cols}:{self.cfg.max_cols}  max_cells {self.cfg.max_cells}  "
+            f"cells/batch {self.cfg.cells_per_batch}{'  (raw DataFrames)' if self.raw else ''}",
+            "",
+            f"  batches {d['batches']:>10,}      tables/s {d['tables_per_s']:>12,.1f}",
+            f"  tables  {d['tables']:>10,}      cells/s  {d['cells_per_s']:>12,.0f}",
+            f"  cells   {d['cells']:>10,}      seconds  {d['seconds']:>12.2f}",
+            f"  missing rate {d['missing_rate']:.3f}   categorical columns {d['categorical_fraction']:.3f}"
+            + ("" if self.raw else f"   query cells {d['query_fraction']:.3f}"),
+            "",
+            f"  episode mix      tables  fraction  configured",
+        ]
+        for t, v in d["tasks"].items():
+            out.append(f"  {t:<15} {v['tables']:>7,}  {v['fraction']:>8.3f}  {v['configured']:>10.3f}")
+        for title, hist in (("rows", d["rows_histogram"]), ("cols", d["cols_histogram"])):
+            out += ["", f"  {title:<15} tables   ({d['distinct_shapes']} distinct shapes)" if title == "rows" else f"  {title:<15} tables"]
+            top = max((n for _, n in hist), default=0) or 1
+            for label, n in hist:
+                out.append(f"  {label:<15} {n:>7,}  {'#' * round(30 * n / top)}")
+        if d["classes"]:
+            out += ["", "  classes         tables"]
+            top = max(d["classes"].values())
+            out += [f"  {k:<15} {n:>7,}  {'#' * round(30 * n / top)}" for k, n in d["classes"].items()]
+        if self.raw:
+            out += ["", "  dtype           columns"] + [f"  {k:<15} {n:>7,}" for k, n in d["dtypes"].items()]
+        return "\n".join(out)
+
+
+def _histogram(counts: dict[int, int], lo: int, hi: int, bins: int = 8) -> list[tuple[str, int]]:
+    """Counts of values in `bins` equal ranges covering [lo, hi]: [(label, count)]."""
+    width = max(1, math.ceil((hi - lo + 1) / bins))
+    edges = list(range(lo, hi + 1, width))
+    hist = [0] * len(edges)
+    for v, n in counts.items():
+        hist[min((v - lo) // width, len(edges) - 1)] += n
+    return [(f"{e}-{min(e + width - 1, hi)}", n) for e, n in zip(edges, hist)]
+
+
+def _dtype_name(dtype) -> str:
+    kind = getattr(dtype, "kind", "O")
+    if str(dtype) == "category":
+        return "category"
+    return {"f": "float", "i": "int", "u": "int", "b": "bool", "M": "datetime", "m": "timedelta"}.get(kind, "text")
+
+
+# --------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from synth.dataset import SynthDataset, SynthLoader
+
+    if args.batches < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches}")
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
+    cfg = build_config(args)
+    mode = "frames" if args.raw else "episode"
+    ds = SynthDataset(cfg, seed=args.seed, rank=args.rank, world_size=args.world_size, num_batches=args.batches, mode=mode)
+    loader = SynthLoader(ds, num_workers=args.workers)
+    summary = Summary(cfg, args.seed, args.raw)
+    bar = tqdm(total=args.batches, unit="batch", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    for data, info in loader:
+        if args.raw:
+            summary.add_frames(data, info)
+        else:
+            summary.add_batch(data, info)
+        summary.seconds = time.perf_counter() - start
+        bar.update(1)
+        bar.set_postfix(tables=summary.tables, cells_s=f"{summary.cells / max(summary.seconds, 1e-9):,.0f}")
+    bar.close()
+    print(summary.render())
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        print(f"\nwrote {path}")
+    return 0

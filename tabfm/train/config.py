@@ -1,0 +1,84 @@
+"""PretrainConfig: every knob of a pretraining run, as one dataclass with presets."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from tabfm.train.optim import OPTIMIZERS
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class PretrainConfig:
+    """A pretraining run on the synthetic stream. The command line overrides any field.
+
+    model          ModelConfig preset name (tiny | small | base)
+    stream         StreamConfig preset name of the synthetic stream
+    steps          optimizer steps of the whole run (also the length of the cosine schedule)
+    max_minutes    wall-clock budget of this invocation; on expiry it checkpoints and exports
+    grad_accum     micro-batches per optimizer step
+    eval_every     steps between evaluations (held-out synthetic tables + sklearn datasets)
+    ckpt_every     steps between checkpoints; keep_last of them are kept
+    """
+
+    model: str = "tiny"
+    stream: str = "pretrain"
+    steps: int = 2000
+    max_minutes: float | None = None
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    muon_lr: float = 0.02
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    precision: str = "bf16"
+    grad_accum: int = 1
+    seed: int = 0
+    workers: int = 1
+    log_every: int = 10
+    eval_every: int = 250
+    eval_batches: int = 8
+    eval_sklearn: bool = True
+    ckpt_every: int = 250
+    keep_last: int = 3
+    device: str | None = None
+
+    PRESETS = {
+        # the shipped tabfm-tiny recipe: a couple of hours on 2 CPU cores
+        "tiny": {},
+        # seconds: CI and a first look
+        "smoke": dict(stream="tiny", steps=20, warmup_steps=2, log_every=5, eval_every=10, eval_batches=2,
+                      eval_sklearn=False, ckpt_every=10, workers=0, precision="fp32"),
+    }
+
+    @classmethod
+    def preset(cls, name: str = "tiny", **overrides: Any) -> "PretrainConfig":
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown PretrainConfig preset {name!r}; choose from {', '.join(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "PretrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"PretrainConfig.{name} = {getattr(self, name)!r}: {what}")
+
+        for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("warmup_steps", "eval_batches", "seed", "workers"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+        need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
+        need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
+        need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self.clip > 0, "clip", "must be > 0")
+        need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")

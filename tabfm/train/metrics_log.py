@@ -1,0 +1,43 @@
+"""MetricsLog: one JSON line per record, mirrored to TensorBoard when it is installed."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Append-only JSONL metrics (`metrics.jsonl`); TensorBoard scalars under `tb/` if available."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True) -> None:
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+                self._tb = SummaryWriter(str(Path(out_dir) / "tb"))
+            except ImportError:
+                self._tb = None
+
+    def log(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+        self._file.write(json.dumps({"step": step, "kind": kind, **clean}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
