@@ -1,9 +1,13 @@
-"""In-context prediction of one target column: the core every estimator builds on.
+"""In-context prediction: the core every estimator builds on. No weight is updated.
 
-The training rows (features + known target) are the context; the test rows' target
-cells are the query. No weight is updated.
+A prediction table = context rows (fully visible; rows other rows attend to) followed by
+query rows whose hidden cells the model must predict. Query rows are not context, so a
+query row's prediction depends only on the context and on the row itself: splitting the
+query rows into chunks (`predict_rows`) gives the same answers as one big pass.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
@@ -12,38 +16,82 @@ from torch import nn
 from data.batch import CATEGORICAL, NUMERIC, TableBatch
 from tabfm.model import ModelOutput
 
+# fn(output, values) -> (N, ...) tensor for the N query cells; values = their true values (NaN = unknown)
+CellFn = Callable[[ModelOutput, torch.Tensor], torch.Tensor]
+
+
+def query_batch(context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray, kind: np.ndarray,
+                cardinality: np.ndarray) -> TableBatch:
+    """One table: context rows, then query rows whose `query_mask` cells are hidden (values kept for scoring)."""
+    n_ctx = len(context_x)
+    x = np.concatenate([context_x, query_x]).astype(np.float32, copy=False)
+    context = np.zeros(len(x), dtype=bool)
+    context[:n_ctx] = True
+    query = np.zeros(x.shape, dtype=bool)
+    query[n_ctx:] = query_mask
+    return TableBatch.from_table(torch.from_numpy(x), torch.from_numpy(np.asarray(kind, dtype=np.int8)),
+                                 torch.from_numpy(np.asarray(cardinality, dtype=np.int64)),
+                                 torch.from_numpy(context), torch.from_numpy(query))
+
+
+def with_target(x: np.ndarray, y: np.ndarray | None, kind: np.ndarray, cardinality: np.ndarray,
+                n_classes: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Features + the target as the last column (NaN when y is None); the kind/cardinality that go with it.
+
+    n_classes: number of target classes (categorical target, codes 0..n-1) or None (numeric target).
+    """
+    col = np.full(len(x), np.nan, dtype=np.float32) if y is None else np.asarray(y, dtype=np.float32)
+    return (np.concatenate([np.asarray(x, dtype=np.float32), col[:, None]], axis=1),
+            np.append(np.asarray(kind, dtype=np.int8), CATEGORICAL if n_classes else NUMERIC),
+            np.append(np.asarray(cardinality, dtype=np.int64), n_classes or 0))
+
 
 def target_batch(
     x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
     n_classes: int | None,
 ) -> TableBatch:
-    """One table: features (encoded) + the target as the last column, hidden on the test rows.
-
-    n_classes: number of target classes (categorical target, codes 0..n-1) or None (numeric target).
-    """
-    n_tr, n_te = len(x_train), len(x_test)
-    x = np.concatenate([x_train, x_test]).astype(np.float32)
-    y = np.concatenate([np.asarray(y_train, dtype=np.float32), np.full(n_te, np.nan, dtype=np.float32)])
-    x = np.concatenate([x, y[:, None]], axis=1)
-    kind = np.append(np.asarray(kind, dtype=np.int8), CATEGORICAL if n_classes else NUMERIC)
-    card = np.append(np.asarray(cardinality, dtype=np.int64), n_classes or 0)
-    context = np.zeros(n_tr + n_te, dtype=bool)
-    context[:n_tr] = True
-    query = np.zeros(x.shape, dtype=bool)
-    query[n_tr:, -1] = True
-    return TableBatch.from_table(torch.from_numpy(x), torch.from_numpy(kind), torch.from_numpy(card),
-                                 torch.from_numpy(context), torch.from_numpy(query))
+    """One table: features (encoded) + the target as the last column, hidden on the test rows."""
+    ctx, kind_t, card_t = with_target(x_train, y_train, kind, cardinality, n_classes)
+    qx, _, _ = with_target(x_test, None, kind, cardinality, n_classes)
+    mask = np.zeros(qx.shape, dtype=bool)
+    mask[:, -1] = True
+    return query_batch(ctx, qx, mask, kind_t, card_t)
 
 
-@torch.no_grad()
 def forward_eval(model: nn.Module, batch: TableBatch, device: torch.device | str | None = None,
                  autocast_dtype: torch.dtype | None = None) -> ModelOutput:
-    """Model output for the query cells of `batch`, in eval mode, no grad."""
+    """Model output for the query cells of `batch`, in eval mode under inference_mode.
+
+    autocast_dtype: None runs in the model's dtype (fp32); torch.bfloat16 autocasts (for CUDA).
+    """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        with torch.inference_mode(), torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
+                                                    enabled=autocast_dtype is not None):
             return model(batch.to(device))
     finally:
         model.train(was_training)
+
+
+def predict_rows(model: nn.Module, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
+                 kind: np.ndarray, cardinality: np.ndarray, fn: CellFn, chunk_size: int = 1024,
+                 device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None) -> np.ndarray:
+    """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy.
+
+    Query rows go through the model `chunk_size` at a time, each chunk with the full context;
+    rows without a query cell are skipped. Exact: query rows never see each other.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    rows = np.flatnonzero(np.asarray(query_mask).any(1))
+    parts = []
+    for start in range(0, len(rows), chunk_size):
+        take = rows[start:start + chunk_size]
+        batch = query_batch(context_x, query_x[take], query_mask[take], kind, cardinality)
+        out = forward_eval(model, batch, device, autocast_dtype)
+        b, r, c = out.index.unbind(1)
+        values = batch.x.to(out.index.device)[b, r, c]
+        parts.append(fn(out, values).detach().to("cpu", torch.float64).numpy())
+    return np.concatenate(parts) if parts else np.empty((0,))

@@ -49,6 +49,8 @@ class PretrainConfig:
     PRESETS = {
         # the shipped tabfm-tiny recipe: a couple of hours on 2 CPU cores
         "tiny": {},
+        "small": dict(model="small", stream="default", steps=20000, lr=5e-4, warmup_steps=500),
+        "base": dict(model="base", stream="default", steps=50000, lr=3e-4, warmup_steps=1000),
         # seconds: CI and a first look
         "smoke": dict(stream="tiny", steps=20, warmup_steps=2, log_every=5, eval_every=10, eval_batches=2,
                       eval_sklearn=False, ckpt_every=10, workers=0, precision="fp32"),

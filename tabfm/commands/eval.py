@@ -1,0 +1,152 @@
+"""`tabfm eval`: score estimators on a task suite against the library baselines.
+
+    tabfm eval --task classification --suite public            # all baselines + TabFM methods
+    tabfm eval --task anomaly --suite public --methods iforest,ecod --out runs/eval/anomaly
+    tabfm eval --task regression --suite path/to/my_suite       # your own NAME.parquet + NAME.json
+    tabfm eval build-public DIR                                  # materialise the public suites
+
+The measuring instrument lives in ``eval/`` (which never imports ``tabfm``); this command hands it
+the methods: the task's baselines (``eval.baselines``) plus the project's own estimators from
+:data:`EXTRA_METHODS`, filled in by :func:`load_extra_methods`.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+TASKS = ("classification", "regression", "imputation", "anomaly")
+
+# ---------------------------------------------------------------------------------------------
+# THE SEAM: the project's own methods, per task: {task: {name: factory or eval.runner.Method}}.
+# A factory is a zero-argument callable returning a fresh estimator that follows the contract in
+# eval/protocols.py (classification: fit / predict_proba; regression: fit / predict; imputation:
+# fit_transform; anomaly: fit / score_samples with HIGHER = MORE ANOMALOUS). Wrap it in
+# eval.runner.Method(factory, version=...) to give a version (e.g. the weights' hash) that goes into
+# the result-cache key, so new weights are not served stale cached scores.
+# ---------------------------------------------------------------------------------------------
+EXTRA_METHODS: dict[str, dict[str, Callable[[], Any] | Any]] = {}
+
+
+def load_extra_methods() -> dict[str, dict[str, Any]]:
+    """Populate :data:`EXTRA_METHODS` on first use (lazily: importing the model stays off the path
+    of ``tabfm eval build-public`` and of baseline-only runs). Edit here to register estimators::
+
+        from eval.detectors import Negated
+        from eval.runner import Method
+        from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
+        version = {"tabfm": <weights hash / release>}
+        EXTRA_METHODS["classification"] = {"tabfm": Method(TabFMClassifier, version)}
+        EXTRA_METHODS["regression"] = {"tabfm": Method(TabFMRegressor, version)}
+        EXTRA_METHODS["imputation"] = {"tabfm": Method(TabFMImputer, version)}
+        # sklearn-style detectors score higher = more normal: flip them
+        EXTRA_METHODS["anomaly"] = {"tabfm": Method(lambda: Negated(TabFMAnomalyDetector()), version)}
+    """
+    if EXTRA_METHODS:
+        return EXTRA_METHODS
+    # (nothing registered yet: the TabFM estimators are wired in here)
+    return EXTRA_METHODS
+
+
+# ---------------------------------------------------------------------------------------------
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval",
+        help="score estimators on a task suite against baselines",
+        description="Evaluate methods on a suite (a directory of NAME.parquet + NAME.json) under the "
+                    "task's public protocol; print and write per-dataset and aggregate tables.",
+        epilog="Also: `tabfm eval build-public DIR` writes the public suites to DIR/<task>/.",
+    )
+    p.add_argument("--task", choices=TASKS, help="which protocol to run")
+    p.add_argument("--suite", default="public",
+                   help="'public' (built on first use under $TABFM_PUBLIC_SUITES or ~/.cache/tabfm/public_suites) "
+                        "or a suite directory (DIR/<task>/ is used when it exists)")
+    p.add_argument("--methods", default="all",
+                   help="comma-separated method names, or 'all' (default), 'baselines', 'extra'")
+    p.add_argument("--datasets", help="comma-separated dataset names (default: every dataset of the suite)")
+    p.add_argument("--out", help="output directory (default runs/eval/<task>)")
+    p.add_argument("--cache", help="result cache directory (default OUT/cache)")
+    p.add_argument("--no-cache", action="store_true", help="recompute everything, cache nothing")
+    p.add_argument("--threads", type=int, default=1, help="BLAS/OpenMP threads and baseline n_jobs (default 1)")
+    p.add_argument("--tie-tol", type=float, default=0.0, help="|difference| counted as a tie in wins/ties/losses")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--quiet", action="store_true", help="do not print the report")
+    sub = p.add_subparsers(dest="eval_action", metavar="{build-public DIR}")
+    b = sub.add_parser("build-public", help="materialise the public suites (SUITES.md) into DIR/<task>/",
+                       description="Write the public classification / imputation / anomaly suites of "
+                                   "shared/data/SUITES.md into DIR/<task>/NAME.parquet + NAME.json.")
+    b.add_argument("dir", help="output directory")
+    b.add_argument("--tasks", default="classification,imputation,anomaly",
+                   help="comma-separated subset of classification,imputation,anomaly")
+    return p
+
+
+def _split(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+def select_methods(task: str, spec: str, threads: int = 1) -> dict[str, Any]:
+    """Resolve ``--methods`` into {name: Method}: 'all', 'baselines', 'extra' or explicit names."""
+    from eval.baselines import BASELINE_NAMES
+    from eval.runner import Method, baseline_methods
+
+    extras = {n: (m if isinstance(m, Method) else Method(m)) for n, m in load_extra_methods().get(task, {}).items()}
+    names = _split(spec) or ["all"]
+    out: dict[str, Any] = {}
+    for name in names:
+        if name in ("all", "baselines"):
+            out.update(baseline_methods(task, n_jobs=threads))
+        if name in ("all", "extra"):
+            out.update(extras)
+        if name in ("all", "baselines", "extra"):
+            continue
+        if name in extras:
+            out[name] = extras[name]
+        elif name in BASELINE_NAMES[task]:
+            out.update(baseline_methods(task, names=[name], n_jobs=threads))
+        else:
+            known = BASELINE_NAMES[task] + sorted(extras)
+            raise ValueError(f"unknown {task} method {name!r} (known: {', '.join(known)}; or all, baselines, extra)")
+    if not out:
+        raise ValueError(f"no {task} methods available for --methods {spec!r} (optional packages missing?)")
+    return out
+
+
+def _suite_dir(task: str, suite: str) -> Path:
+    from eval.suites import PUBLIC_TASKS, build_public, default_public_dir
+
+    if suite == "public":
+        if task not in PUBLIC_TASKS:
+            raise ValueError(f"there is no public {task} suite (public: {', '.join(PUBLIC_TASKS)}); pass --suite DIR")
+        root = default_public_dir()
+        if not (root / task).is_dir():
+            print(f"building the public {task} suite into {root} ...")
+            build_public(root, tasks=[task])
+        return root
+    path = Path(suite)
+    if not path.is_dir():
+        raise ValueError(f"suite directory not found: {path}")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "eval_action", None) == "build-public":
+        from eval.suites import build_public
+
+        tasks = _split(args.tasks)
+        written = build_public(args.dir, tasks=tasks)
+        for task, names in written.items():
+            print(f"{task}: {len(names)} datasets in {Path(args.dir) / task}")
+        return 0
+    if not args.task:
+        raise ValueError("--task is required (classification, regression, imputation or anomaly)")
+    from eval.runner import evaluate
+
+    methods = select_methods(args.task, args.methods, threads=args.threads)
+    suite = _suite_dir(args.task, args.suite)
+    out = Path(args.out) if args.out else Path("runs") / "eval" / args.task
+    cache = None if args.no_cache else (Path(args.cache) if args.cache else out / "cache")
+    report = evaluate(args.task, suite, methods, out, cache_dir=cache, datasets=_split(args.datasets) or None,
+                      progress=not args.no_progress, n_threads=args.threads, tie_tol=args.tie_tol,
+                      verbose=not args.quiet)
+    return 1 if report.errors else 0

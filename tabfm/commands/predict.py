@@ -1,0 +1,108 @@
+"""`tabfm predict`: in-context predictions for a test CSV, with a training CSV as context.
+
+    tabfm predict --train train.csv --test test.csv --target y [--task classification|regression]
+                  [--model tabfm-tiny | EXPORT_DIR] [--out preds.csv] [--proba]
+
+Writes one column named after the target (predicted class, or predicted mean), plus one
+"proba_<class>" column per class with --proba, as CSV to --out or stdout, rows in test order.
+When the test CSV holds the target column too, it is dropped from the inputs and the score
+(accuracy or R^2) is reported on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+TASKS = ("classification", "regression")
+MAX_INT_CLASSES = 20  # an integer target with at most this many distinct values is read as classes
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from tabfm.weights import DEFAULT_MODEL
+
+    p = subparsers.add_parser(
+        "predict",
+        help="predict a target column of a test CSV from a training CSV (in context)",
+        description="Predict the target column of TEST from the labelled rows of TRAIN, without training.",
+    )
+    p.add_argument("--train", required=True, metavar="CSV", help="labelled rows (the context)")
+    p.add_argument("--test", required=True, metavar="CSV", help="rows to predict")
+    p.add_argument("--target", required=True, help="name of the target column in the training CSV")
+    p.add_argument("--task", choices=TASKS, help="default: classification for text/boolean targets and integer "
+                   f"targets with <= {MAX_INT_CLASSES} distinct values, else regression")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model name or export directory (default {DEFAULT_MODEL})")
+    p.add_argument("--out", metavar="CSV", help="write predictions here (default: stdout)")
+    p.add_argument("--proba", action="store_true", help="classification: add a probability column per class")
+    p.add_argument("--n-estimators", type=int, default=4, help="ensemble members (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    return p
+
+
+def read_csv(path: str) -> pd.DataFrame:
+    """A CSV as a frame; ValueError naming the path when it cannot be read."""
+    try:
+        return pd.read_csv(path)
+    except FileNotFoundError:
+        raise ValueError(f"cannot read {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+
+
+def infer_task(y: pd.Series) -> str:
+    """classification for non-numeric/boolean targets and integers with few values, else regression."""
+    if pd.api.types.is_bool_dtype(y.dtype) or not pd.api.types.is_numeric_dtype(y.dtype):
+        return "classification"
+    if pd.api.types.is_integer_dtype(y.dtype) and y.nunique() <= MAX_INT_CLASSES:
+        return "classification"
+    return "regression"
+
+
+def run(args: argparse.Namespace) -> int:
+    from tabfm.estimators import TabFMClassifier, TabFMRegressor
+    from tabfm.weights import ModelNotFoundError
+
+    train, test = read_csv(args.train), read_csv(args.test)
+    if args.target not in train.columns:
+        raise ValueError(f"target column {args.target!r} is not in {args.train} (columns: {list(train.columns)})")
+    y = train.pop(args.target)
+    y_test = test.pop(args.target) if args.target in test.columns else None
+    task = args.task or infer_task(y)
+    if args.task is None:
+        print(f"tabfm predict: task {task} (inferred from target dtype {y.dtype}; --task to choose)", file=sys.stderr)
+    if args.proba and task != "classification":
+        raise ValueError("--proba applies to classification only")
+
+    params = dict(model=args.model, n_estimators=args.n_estimators, random_state=args.seed, device=args.device)
+    est = TabFMClassifier(**params) if task == "classification" else TabFMRegressor(**params)
+    try:
+        est.fit(train, y)
+        if task == "classification":
+            proba = est.predict_proba(test)
+            out = pd.DataFrame({args.target: est.classes_[proba.argmax(1)]})
+            if args.proba:
+                for j, c in enumerate(est.classes_):
+                    out[f"proba_{c}"] = proba[:, j]
+        else:
+            out = pd.DataFrame({args.target: est.predict(test)})
+    except ModelNotFoundError as err:
+        raise ValueError(str(err)) from None
+
+    if y_test is not None and y_test.notna().all():
+        from sklearn.metrics import accuracy_score, r2_score
+
+        if task == "classification":
+            score = accuracy_score(y_test.astype(str), out[args.target].astype(str))
+            print(f"tabfm predict: accuracy on {args.test}: {score:.4f}", file=sys.stderr)
+        else:
+            print(f"tabfm predict: R^2 on {args.test}: {r2_score(y_test, out[args.target]):.4f}", file=sys.stderr)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        out.to_csv(args.out, index=False)
+        print(f"tabfm predict: wrote {len(out)} predictions to {args.out}", file=sys.stderr)
+    else:
+        out.to_csv(sys.stdout, index=False)
+    return 0

@@ -1,0 +1,170 @@
+"""TabFMAnomalyDetector: how surprising each row is to the model, given the fitted rows.
+
+Anomaly score of a row = sum over its source columns of the negative log-likelihood of the
+column's value when that column is hidden (all its encoded parts at once) and predicted from the
+row's other cells, with the fitted rows as context. Numeric NLLs are taken on the context-
+standardised scale (z-NLL: the original-scale density NLL minus log std), so columns with big
+units do not dominate; categorical NLL is -log p(category). Scored parts: numeric values (and
+their inf flag), categories that fit the model's head, a datetime's epoch, a text's length and
+word count; constant columns and missing cells add nothing. Members' scores are averaged.
+
+No leakage on the fitted rows: they are split into `n_folds` random folds, and a row of X that
+equals a fitted row (same encoded values) is scored with that row's fold left out of the context.
+Other rows have all fitted rows as context.
+
+sklearn convention (as IsolationForest): score_samples = -score, so HIGHER = MORE NORMAL;
+offset_ = the `contamination` quantile of the fitted rows' score_samples;
+decision_function = score_samples - offset_ (negative = outlier); predict: -1 outlier, 1 inlier.
+"""
+from __future__ import annotations
+
+from os import PathLike
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.base import OutlierMixin
+from sklearn.utils.validation import check_is_fitted
+from torch import nn
+
+from data.batch import CATEGORICAL, NUMERIC
+from data.schema import CONSTANT_T, DATETIME_T
+from tabfm.model import ModelOutput
+from tabfm.model.predict import cell_nll
+from tabfm.weights import DEFAULT_MODEL
+
+from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS, Runtime,
+                   TabFMEstimator)
+from .ensemble import subsample
+
+FOLD_KEY = 7  # keys the fold assignment's generator apart from the members'
+
+
+def _z_nll(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
+    """Cell NLL with numeric cells on the standardised scale (NaN where the value is missing)."""
+    nll = cell_nll(output, values)
+    return torch.where(output.kind == NUMERIC, nll - torch.log(output.std), nll)
+
+
+def _row_keys(x: np.ndarray) -> list[bytes]:
+    """Bytes of each encoded row, NaN and -0.0 canonicalised, to recognise fitted rows."""
+    canon = np.where(np.isnan(x), np.float32(np.nan), x + np.float32(0.0)).astype(np.float32)
+    return [row.tobytes() for row in np.ascontiguousarray(canon)]
+
+
+class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
+    """sklearn outlier detector (IsolationForest-style API). See the module docstring.
+
+    contamination  expected fraction of outliers in the fitted rows, in (0, 0.5]: sets offset_.
+    n_folds        folds of the fitted rows for leakage-free scoring of those rows (>= 2).
+    Other parameters: see TabFMEstimator.
+    """
+
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
+                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
+                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 contamination: float = 0.1, n_folds: int = 5) -> None:
+        super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
+                         precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
+                         chunk_size=chunk_size)
+        self.contamination = contamination
+        self.n_folds = n_folds
+
+    def fit(self, X: Any, y: Any = None) -> "TabFMAnomalyDetector":
+        if not isinstance(self.contamination, (float, int)) or not 0.0 < self.contamination <= 0.5:
+            raise ValueError(f"contamination must be a float in (0, 0.5], got {self.contamination!r}")
+        if not isinstance(self.n_folds, (int, np.integer)) or self.n_folds < 2:
+            raise ValueError(f"n_folds must be an int >= 2, got {self.n_folds!r}")
+        self._fit_table(X)
+        n = len(self.train_x_)
+        if n < 2:
+            raise ValueError(f"TabFMAnomalyDetector needs at least 2 rows to fit, got n_samples = {n}")
+        order = np.random.default_rng([self.ensemble_seed_, FOLD_KEY]).permutation(n)
+        self.folds_ = np.empty(n, dtype=np.int64)
+        self.folds_[order] = np.arange(n) % min(self.n_folds, n)
+        self.offset_ = float(np.percentile(self.score_samples(X), 100.0 * self.contamination))
+        return self
+
+    def score_samples(self, X: Any) -> np.ndarray:
+        """-(anomaly score) of each row: higher = more normal (sklearn convention)."""
+        check_is_fitted(self, "folds_")
+        _, x = self._encode(X)
+        return -self._scores(x)
+
+    def decision_function(self, X: Any) -> np.ndarray:
+        """score_samples - offset_: negative for outliers."""
+        check_is_fitted(self, "offset_")
+        return self.score_samples(X) - self.offset_
+
+    def predict(self, X: Any) -> np.ndarray:
+        """-1 for outliers (decision_function < 0), 1 for inliers."""
+        return np.where(self.decision_function(X) < 0, -1, 1)
+
+    # ------------------------------------------------------------------ scoring
+    def _scored_parts(self, rt: Runtime) -> np.ndarray:
+        """Encoded columns whose NLL counts (see the module docstring)."""
+        kind, card = self._kind, self._card
+        scored = (kind == NUMERIC) | ((kind == CATEGORICAL) & (card <= rt.max_categories))
+        for spec, unit in zip(self.schema_.columns, self._units()):
+            if spec.type == CONSTANT_T:
+                scored[unit] = False
+            elif spec.type == DATETIME_T:
+                scored[unit] = [part == "epoch" for part in spec.parts]
+        return scored
+
+    def _fold_of(self, x: np.ndarray) -> np.ndarray:
+        """Fold of the fitted row each row of x equals, -1 when it equals none."""
+        index: dict[bytes, int] = {}
+        for i, key in enumerate(_row_keys(self.train_x_)):
+            index.setdefault(key, i)
+        return np.array([self.folds_[index[k]] if k in index else -1 for k in _row_keys(x)], dtype=np.int64)
+
+    def _scores(self, x: np.ndarray) -> np.ndarray:
+        """Anomaly score (summed cell NLL) of each row, members averaged."""
+        rt = self._runtime()
+        scored = self._scored_parts(rt)
+        if not scored.any():
+            raise ValueError("no column can be scored: every column is constant, text-hashed or has more "
+                             f"categories than the model's head ({rt.max_categories})")
+        fold = self._fold_of(x)
+        members = self._members(cover_all=True)
+        total = np.zeros(len(x))
+        for m in members:
+            for f in np.unique(fold):
+                rows = np.flatnonzero(fold == f)
+                pool = np.arange(len(self.train_x_)) if f < 0 else np.flatnonzero(self.folds_ != f)
+                ctx_rows = subsample(m.rng(0, int(f) + 1), pool, self.max_context_rows)
+                for group in m.column_groups:
+                    total[rows] += self._group_scores(rt, m.view(self.train_x_[ctx_rows], group),
+                                                      m.view(x[rows], group), scored[group], group)
+        return total / len(members)
+
+    def _group_scores(self, rt: Runtime, ctx: np.ndarray, query: np.ndarray, scored: np.ndarray,
+                      group: np.ndarray) -> np.ndarray:
+        """Summed NLL per query row over the source columns of one column group, each hidden in turn.
+
+        Query rows are replicated, one copy per hidden source column, as many columns per pass as
+        fit in `chunk_size` rows.
+        """
+        in_group = set(group.tolist())
+        units = [np.flatnonzero(np.isin(group, u)) for u in self._units() if int(u[0]) in in_group]
+        units = [u for u in units if scored[u].any()]
+        n_q = len(query)
+        observed = ~np.isnan(query) & scored[None, :]
+        out = np.zeros(n_q)
+        per_pass = max(1, self.chunk_size // max(n_q, 1))
+        for start in range(0, len(units), per_pass):
+            block = units[start:start + per_pass]
+            qx = np.concatenate([query] * len(block))
+            mask = np.zeros(qx.shape, dtype=bool)
+            for i, cols in enumerate(block):
+                hide = observed[:, cols].any(1)  # nothing to score where all its scored parts are missing
+                mask[i * n_q:(i + 1) * n_q][np.ix_(hide, cols)] = True
+            if not mask.any():
+                continue
+            nll = self._predict(rt, ctx, qx, mask, self._kind[group], self._card[group], _z_nll)
+            r, c = np.nonzero(mask)
+            keep = scored[c] & ~np.isnan(nll)
+            np.add.at(out, r[keep] % n_q, nll[keep])
+        return out

@@ -1,0 +1,225 @@
+"""What every TabFM estimator shares: parameters, input checks, the encoded training table,
+the ensemble members, and running the model on a prediction table.
+
+fit() only encodes and stores the training table (`train_x_`, `schema_`); the model is loaded
+(and cached per process, see tabfm.weights) when predictions are first asked for.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.base import BaseEstimator
+from sklearn.utils import check_random_state
+from sklearn.utils.validation import check_is_fitted, column_or_1d
+from torch import nn
+
+from data.encode import TableSchema, encode_frame
+from tabfm.inference import CellFn, predict_rows, with_target
+from tabfm.weights import DEFAULT_MODEL, load_model
+
+from .ensemble import Member, make_members, subsample
+
+DEFAULT_N_ESTIMATORS = 4
+DEFAULT_MAX_CONTEXT_ROWS = 2048
+DEFAULT_MAX_COLUMNS = 100
+DEFAULT_CHUNK_SIZE = 1024
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class Runtime:
+    """The loaded model and how to run it."""
+
+    model: nn.Module
+    device: torch.device
+    autocast: torch.dtype | None
+
+    @property
+    def max_categories(self) -> int:
+        """Width K of the model's categorical head: codes 0..K-1 can be predicted."""
+        return int(self.model.config.max_categories)
+
+
+class TabFMEstimator(BaseEstimator):
+    """Base of the TabFM estimators (not used directly).
+
+    model             shipped model name (default "tabfm-tiny"), path of an export directory
+                      (model.safetensors + config.json), or a TabFM module (moved to `device`).
+    n_estimators      ensemble members (see tabfm.estimators.ensemble); outputs are averaged.
+    random_state      seed (int), RandomState or None; drawn from at fit, it fixes every random choice
+                      of the fitted estimator's predictions.
+    device            "auto" (CUDA when available, else CPU), or a torch device string.
+    precision         "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32" or "bf16".
+    max_context_rows  at most this many training rows are context per member (random subsample,
+                      stratified by class for classification).
+    max_columns       at most this many encoded feature columns per table; more are split into random
+                      groups (random subsets per member for classification/regression).
+    chunk_size        query rows per forward pass (exact: query rows never see each other).
+    """
+
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
+                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
+                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        self.model = model
+        self.n_estimators = n_estimators
+        self.random_state = random_state
+        self.device = device
+        self.precision = precision
+        self.max_context_rows = max_context_rows
+        self.max_columns = max_columns
+        self.chunk_size = chunk_size
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.allow_nan = True
+        tags.input_tags.categorical = True
+        tags.input_tags.string = True
+        return tags
+
+    # ------------------------------------------------------------------ parameters
+    def _check_params(self) -> None:
+        for name in ("n_estimators", "max_context_rows", "max_columns", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+    def _runtime(self) -> Runtime:
+        """Load (or reuse) the model on the configured device."""
+        self._check_params()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" \
+            else torch.device(self.device)
+        if isinstance(self.model, nn.Module):
+            model = self.model.to(device)
+        else:
+            model = load_model(self.model, device)
+        cast = {"fp32": None, "bf16": torch.bfloat16, "auto": torch.bfloat16 if device.type == "cuda" else None}
+        return Runtime(model, device, cast[self.precision])
+
+    # ------------------------------------------------------------------ inputs
+    def _as_frame(self, X: Any, fitting: bool) -> pd.DataFrame:
+        """X as a frame with string column names; records (fit) or checks (predict) the columns."""
+        if isinstance(X, pd.DataFrame):
+            frame, named = X, all(isinstance(c, str) and c for c in X.columns)
+        else:
+            if hasattr(X, "toarray"):
+                raise TypeError("sparse input is not supported; pass a dense array or a DataFrame")
+            arr = np.asarray(X)
+            if arr.ndim != 2:
+                raise ValueError(f"expected a 2-D table (rows, columns), got an array of shape {arr.shape}; "
+                                 "Reshape your data (e.g. x.reshape(-1, 1) for a single column)")
+            frame, named = pd.DataFrame(arr), False
+        n_rows, width = frame.shape
+        if width == 0 or n_rows == 0:
+            what = "feature" if width == 0 else "sample"
+            raise ValueError(f"Found array with 0 {what}(s) (shape={frame.shape}) while a minimum of 1 is required.")
+        complex_cols = [c for c, dt in frame.dtypes.items() if getattr(dt, "kind", "") == "c"]
+        if complex_cols:
+            raise ValueError(f"Complex data not supported: columns {complex_cols}")
+        if fitting:
+            self.n_features_in_ = width
+            if named:
+                self.feature_names_in_ = np.asarray(frame.columns, dtype=object)
+            elif hasattr(self, "feature_names_in_"):
+                del self.feature_names_in_
+            return frame if named else frame.set_axis([f"x{j}" for j in range(width)], axis=1)
+
+        names = getattr(self, "feature_names_in_", None)
+        if names is not None and named:
+            missing = [c for c in names if c not in frame.columns]
+            extra = [c for c in frame.columns if c not in set(names)]
+            if missing or extra:
+                raise ValueError(f"X has other columns than at fit: missing {missing}, extra {extra}")
+            return frame[list(names)]
+        if width != self.n_features_in_:
+            raise ValueError(f"X has {width} features, but {type(self).__name__} is expecting {self.n_features_in_} "
+                             "features as input")
+        if names is not None:
+            warnings.warn(f"X has no column names, but {type(self).__name__} was fitted with column names; "
+                          "columns are matched by position", UserWarning, stacklevel=3)
+            return frame.set_axis(list(names), axis=1)
+        return frame.set_axis([f"x{j}" for j in range(width)], axis=1)
+
+    def _fit_table(self, X: Any) -> pd.DataFrame:
+        """Encode and store the training table; returns the frame it encoded."""
+        self._check_params()
+        frame = self._as_frame(X, fitting=True)
+        enc, schema = encode_frame(frame)
+        self.schema_: TableSchema = schema
+        self.train_x_: np.ndarray = enc.x.numpy()
+        # drawn at fit (as sklearn estimators do): a fitted estimator predicts the same way every call
+        self.ensemble_seed_ = int(check_random_state(self.random_state).randint(0, 2**31 - 1))
+        return frame
+
+    def _encode(self, X: Any) -> tuple[pd.DataFrame, np.ndarray]:
+        """The frame (columns in fitted order) and encoded values of new rows, with the fitted schema."""
+        check_is_fitted(self, "train_x_")
+        frame = self._as_frame(X, fitting=False)
+        return frame, self.schema_.transform(frame).x.numpy()
+
+    def _check_y(self, y: Any, n_rows: int) -> np.ndarray:
+        """y as a 1-D array with as many entries as X has rows and no missing value."""
+        if y is None:
+            raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
+        arr = y.to_numpy() if isinstance(y, (pd.Series, pd.DataFrame, pd.Index)) else np.asarray(y)
+        if arr.ndim == 2 and arr.shape[1] == 1:
+            arr = column_or_1d(arr, warn=True)
+        if arr.ndim != 1:
+            raise ValueError(f"y must be 1-D (one target per row), got shape {arr.shape}")
+        if len(arr) != n_rows:
+            raise ValueError(f"X has {n_rows} rows but y has {len(arr)}; they must match")
+        missing = int(pd.isna(arr).sum())
+        if missing:
+            raise ValueError(f"y has {missing} missing value(s) (NaN/None) out of {len(arr)}; "
+                             "drop those rows or fill the target first")
+        return arr
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def _kind(self) -> np.ndarray:
+        return self.schema_.kind.numpy()
+
+    @property
+    def _card(self) -> np.ndarray:
+        return self.schema_.cardinality.numpy()
+
+    def _units(self) -> list[np.ndarray]:
+        """Encoded column indices of each source column (kept together when columns are split)."""
+        starts = np.cumsum([0] + [len(c.encoded_columns()) for c in self.schema_.columns])
+        return [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
+
+    def _members(self, cover_all: bool, n_classes: int | None = None) -> list[Member]:
+        """The ensemble members, fixed at fit by random_state."""
+        return make_members(self.ensemble_seed_, self.n_estimators, self._units(), self._kind, self._card, self.max_columns,
+                            cover_all=cover_all, n_classes=n_classes)
+
+    # ------------------------------------------------------------------ running
+    def _predict(self, rt: Runtime, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
+                 kind: np.ndarray, cardinality: np.ndarray, fn: CellFn) -> np.ndarray:
+        return predict_rows(rt.model, context_x, query_x, query_mask, kind, cardinality, fn,
+                            chunk_size=self.chunk_size, device=rt.device, autocast_dtype=rt.autocast)
+
+    def _supervised_view(self, member: Member, x_query: np.ndarray, strata: np.ndarray | None = None
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A member's (context rows, context features, query features, kind, cardinality) for a separate target."""
+        rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows, strata)
+        cols = member.column_groups[0]
+        return (rows, member.view(self.train_x_[rows], cols), member.view(x_query, cols),
+                self._kind[cols], self._card[cols])
+
+    def _predict_target(self, rt: Runtime, context_x: np.ndarray, context_y: np.ndarray, query_x: np.ndarray,
+                        kind: np.ndarray, cardinality: np.ndarray, n_classes: int | None, fn: CellFn) -> np.ndarray:
+        """fn of the model's output for the target cell of every query row (target = last column)."""
+        ctx, kind_t, card_t = with_target(context_x, context_y, kind, cardinality, n_classes)
+        qx, _, _ = with_target(query_x, None, kind, cardinality, n_classes)
+        mask = np.zeros(qx.shape, dtype=bool)
+        mask[:, -1] = True
+        return self._predict(rt, ctx, qx, mask, kind_t, card_t, fn)

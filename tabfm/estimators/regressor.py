@@ -1,0 +1,79 @@
+"""TabFMRegressor: in-context regression with a full predictive distribution per row.
+
+The model predicts a binned distribution of the target on the context-standardised scale;
+tabfm.model.predict maps its mean and quantiles back to the original scale. Members are
+combined by averaging means and averaging quantiles level by level (quantile averaging keeps
+them monotone in the level); the median is the 0.5 quantile.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.base import RegressorMixin
+
+from tabfm.model import ModelOutput
+from tabfm.model.predict import numeric_mean, numeric_quantiles
+
+from .base import TabFMEstimator
+
+OUTPUTS = ("mean", "median")
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+class TabFMRegressor(RegressorMixin, TabFMEstimator):
+    """sklearn regressor: the training rows are the context, no weight is updated.
+
+    predict(X, output="mean" | "median"); predict_quantiles(X, [0.1, 0.9]) -> (n_rows, n_levels).
+    y must be numeric and finite. Parameters: see TabFMEstimator.
+    """
+
+    def fit(self, X: Any, y: Any) -> "TabFMRegressor":
+        frame = self._fit_table(X)
+        y = pd.Series(self._check_y(y, len(frame)))
+        if y.dtype == object:
+            y = y.infer_objects()
+        if not pd.api.types.is_numeric_dtype(y.dtype):
+            raise ValueError(f"regression target must be numeric, got dtype {y.dtype} (e.g. {y.iloc[0]!r}); "
+                             "use TabFMClassifier for class labels")
+        values = y.to_numpy(dtype=np.float64)
+        bad = int((~np.isfinite(values)).sum())
+        if bad:
+            raise ValueError(f"y has {bad} infinite value(s); the regression target must be finite")
+        if np.abs(values).max() > F32_MAX:
+            raise ValueError(f"y holds {values[np.argmax(np.abs(values))]!r}, beyond the float32 range the model reads")
+        self.y_ = values
+        return self
+
+    def predict(self, X: Any, output: str = "mean") -> np.ndarray:
+        """Point predictions: the predictive "mean" (default) or "median" of each row."""
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        mean, quantiles = self._distribution(X, [0.5] if output == "median" else [])
+        return mean if output == "mean" else quantiles[:, 0]
+
+    def predict_quantiles(self, X: Any, quantiles: Sequence[float] = (0.1, 0.5, 0.9)) -> np.ndarray:
+        """(n_rows, len(quantiles)) predictive quantiles at levels in (0, 1), original scale."""
+        levels = np.asarray(quantiles, dtype=np.float64).reshape(-1)
+        if levels.size == 0 or ((levels <= 0) | (levels >= 1)).any():
+            raise ValueError(f"quantile levels must be a non-empty list of values in (0, 1), got {list(quantiles)}")
+        return self._distribution(X, levels.tolist())[1]
+
+    def _distribution(self, X: Any, levels: list[float]) -> tuple[np.ndarray, np.ndarray]:
+        """Members' averaged mean (n,) and quantiles (n, len(levels))."""
+        _, x = self._encode(X)
+        rt = self._runtime()
+
+        def fn(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
+            mean = numeric_mean(output)[:, None]
+            return torch.cat([mean, numeric_quantiles(output, levels)], 1) if levels else mean
+
+        members = self._members(cover_all=False)
+        total = np.zeros((len(x), 1 + len(levels)))
+        for m in members:
+            rows, ctx, query, kind, card = self._supervised_view(m, x)
+            total += self._predict_target(rt, ctx, self.y_[rows], query, kind, card, None, fn).reshape(len(x), -1)
+        total /= len(members)
+        return total[:, 0], total[:, 1:]

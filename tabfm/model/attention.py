@@ -1,0 +1,100 @@
+"""The two attentions of a block, each over one axis of the (B, R, C, d) cell grid.
+
+Both use one fused qkv Linear whose output features are laid out head-major
+(head, {q,k,v}, head_dim): a column-wise tensor-parallel shard of it then holds whole heads,
+and the module infers its local head count from the width it receives. Attention itself is
+`F.scaled_dot_product_attention` with a boolean key mask broadcast over heads and queries
+(see `attend` for the one CPU exception).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+CPU_BF16_EXPLICIT_MAX_KEYS = 128
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+    """Attention (N, H, L, hd) x (N, H, S, hd) -> (N, H, L, hd); mask broadcastable to (N, H, L, S).
+
+    `F.scaled_dot_product_attention` everywhere, except on CPU in reduced precision: there
+    its backward is several times slower than plain matmuls for short key sets (measured
+    on torch 2.13: 16 keys, 4x), so short key sets use the explicit formula (softmax in
+    fp32) and long ones run SDPA in fp32.
+    """
+    if q.device.type != "cpu" or q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    if k.shape[-2] > CPU_BF16_EXPLICIT_MAX_KEYS:
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
+        return out.to(q.dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+class _FusedAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.dropout = dropout
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+
+class ColumnAttention(_FusedAttention):
+    """Each cell attends to the cells of its own row (all valid columns). No positions: the
+    operation is equivariant to column order."""
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """x (B, R, C, d); key_mask (B*R, 1, 1, C) bool (True = valid column) or None for all."""
+        b, r, c, _ = x.shape
+        qkv = self.qkv(x).view(b * r, c, -1, 3, self.head_dim)  # local heads under tensor parallel
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # (B*R, H, C, hd)
+        o = attend(q, k, v, key_mask, self._dropout_p())
+        return self.out(o.transpose(1, 2).reshape(b, r, c, -1))
+
+
+class RowAttention(_FusedAttention):
+    """Each cell attends to the cells of its own column in the key rows (thinking rows and
+    context rows); queries are all rows. The model orders rows so the key rows come first:
+    keys/values are the prefix of `n_keys` rows, a view, no gather. Non-key rows therefore
+    never influence any other row.
+
+    `gather_kv` is the seam for row-sequence parallelism: a plugin replaces it with an
+    all-gather of keys, values and key mask along the row axis.
+    """
+
+    def gather_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """k, v (B*C, H, Rk, hd); kv_mask (B, Rk) bool or None. Identity on one device."""
+        return k, v, kv_mask
+
+    def forward(self, x: torch.Tensor, n_keys: int, kv_mask: torch.Tensor | None) -> torch.Tensor:
+        """x (B, R, C, d) with the key rows first; n_keys: how many leading rows are keys (the
+        longest key set in the batch); kv_mask (B, n_keys) bool, False where a table has fewer
+        keys (None = all real)."""
+        b, r, c, _ = x.shape
+        qkv = self.qkv(x).view(b, r, c, -1, 3, self.head_dim)
+        h = qkv.shape[3]
+        q, k, v = qkv.unbind(4)  # (B, R, C, H, hd); unbind keeps the backward to one stack
+        if n_keys < r:
+            k, v = k[:, :n_keys], v[:, :n_keys]
+        q, k, v = (t.permute(0, 2, 3, 1, 4).reshape(b * c, h, t.shape[1], self.head_dim) for t in (q, k, v))
+        k, v, kv_mask = self.gather_kv(k, v, kv_mask)
+        mask = None
+        if kv_mask is not None:
+            rk = kv_mask.shape[1]
+            mask = kv_mask[:, None, :].expand(b, c, rk).reshape(b * c, 1, 1, rk)
+        o = attend(q, k, v, mask, self._dropout_p())
+        o = o.view(b, c, h, r, self.head_dim).permute(0, 3, 1, 2, 4).reshape(b, r, c, h * self.head_dim)
+        return self.out(o)

@@ -1,0 +1,116 @@
+"""ModelConfig: every architectural choice of the table transformer, as one dataclass.
+
+Presets (parameter counts from `TabFM(ModelConfig.preset(name)).num_parameters()`):
+
+    preset  d_model  layers  heads  mlp_ratio  thinking rows  n_bins  parameters
+    tiny         96       4      4        2.0              0      64     ~0.47 M
+    small       128      10      4        2.0              8     128     ~2.04 M
+    base        192      12      6        2.0             16     128     ~5.37 M
+
+`tiny` is sized to train on 2 CPU cores in a couple of hours; `base` matches TabPFN v2's
+width and depth (d=192, 12 layers, 6 heads, MLP 384). The weights do not depend on
+`max_categories` (the categorical head scores codes by their identity vectors), so that
+field may be raised at inference time without retraining.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of `TabFM`. Validated on construction; `ValueError` names the bad field.
+
+    d_model                 token width of every cell.
+    n_layers                number of blocks (column attention -> row attention -> MLP).
+    n_heads                 attention heads (both attentions); must divide d_model.
+    mlp_ratio               MLP hidden width = int(d_model * mlp_ratio).
+    max_categories          width K of the categorical head: codes 0..K-1 can be predicted;
+                            query cells of columns with more categories are not scored.
+    n_bins                  bins of the numeric ("bar") distribution, two of them half-normal tails.
+    bin_range               inner bins cover [-bin_range, bin_range] on the standardised scale.
+    id_dim                  width of the random identity vectors (columns, categorical codes).
+    n_thinking_rows         learned extra rows added to every table's context.
+    dropout                 dropout on attention weights and residual branches.
+    norm_eps                RMSNorm epsilon.
+    activation_checkpointing  recompute each block in backward (torch.utils.checkpoint).
+    """
+
+    d_model: int = 96
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: float = 2.0
+    max_categories: int = 10
+    n_bins: int = 64
+    bin_range: float = 10.0
+    id_dim: int = 32
+    n_thinking_rows: int = 0
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.d_model * self.mlp_ratio)
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> "ModelConfig":
+        def need(ok: bool, field_name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"ModelConfig.{field_name} = {getattr(self, field_name)!r}: {what}")
+
+        for name in ("d_model", "n_layers", "n_heads", "max_categories", "n_bins", "id_dim", "n_thinking_rows"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool), name, "must be an int")
+        need(self.d_model >= 1, "d_model", "must be >= 1")
+        need(self.n_layers >= 1, "n_layers", "must be >= 1")
+        need(self.n_heads >= 1, "n_heads", "must be >= 1")
+        need(self.d_model % self.n_heads == 0, "d_model", f"must be divisible by n_heads = {self.n_heads}")
+        need(self.mlp_ratio > 0 and int(self.d_model * self.mlp_ratio) >= 1, "mlp_ratio", "must give an MLP width >= 1")
+        need(self.max_categories >= 2, "max_categories", "must be >= 2")
+        need(self.n_bins >= 4, "n_bins", "must be >= 4 (two tails and at least two inner bins)")
+        need(self.bin_range > 0, "bin_range", "must be > 0")
+        need(self.id_dim >= 1, "id_dim", "must be >= 1")
+        need(self.n_thinking_rows >= 0, "n_thinking_rows", "must be >= 0")
+        need(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        need(self.norm_eps > 0, "norm_eps", "must be > 0")
+        need(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be a bool")
+        return self
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A named preset ('tiny', 'small', 'base'), optionally with fields overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown ModelConfig preset {name!r}; choose from {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+    # ------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for config.json."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """Inverse of `to_dict`; unknown keys are an error (a typo must not pass silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=96, n_layers=4, n_heads=4, mlp_ratio=2.0, n_bins=64, n_thinking_rows=0),
+    "small": ModelConfig(d_model=128, n_layers=10, n_heads=4, mlp_ratio=2.0, n_bins=128, n_thinking_rows=8),
+    "base": ModelConfig(d_model=192, n_layers=12, n_heads=6, mlp_ratio=2.0, n_bins=128, n_thinking_rows=16),
+}

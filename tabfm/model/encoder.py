@@ -1,0 +1,195 @@
+"""Cell encoder: a TableBatch -> one d_model token per cell (plus learned thinking rows).
+
+What a token carries, and why:
+- numeric cells: the value standardised with NaN-aware mean/std over the *context rows* of
+  its column (query cells are blanked first, so hidden values never leak into the
+  statistics), then squashed robustly (identity on |z| <= 3, logarithmic beyond), so
+  outliers stay ordered but bounded.
+- categorical cells: a random Gaussian identity vector per (table, column, code), projected
+  by a learned linear map. Codes carry identity, never order: code 3 is not "between" codes
+  2 and 4, and relabelling the codes of a column only relabels the vectors. No vocabulary
+  limit on inputs.
+- a state embedding: observed / missing (NaN) / hidden (query cell), per kind.
+- a column identity: a random Gaussian vector per (table, column), projected, added to
+  every cell of the column; it tells columns apart without any notion of column position.
+
+Random vectors come from a counter-based integer hash (vectorised, same on every device).
+Each column's seed is a hash of the column's visible context content (kind, cardinality,
+values): in eval mode, so predictions are an exact function of the table and do not depend on
+column order, query rows or padding. In train mode seeds are drawn from torch's RNG
+instead (fresh identities every step, even for repeated tables; ranks that share a table,
+e.g. under row-sequence parallelism, must share the RNG state).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from data.batch import CATEGORICAL, NUMERIC, TableBatch
+
+from .config import ModelConfig
+
+_M32 = 0xFFFFFFFF
+_TWO32 = float(2**32)
+SQUASH_LINEAR = 3.0  # |z| below this passes unchanged; beyond it grows logarithmically
+Z_LIMIT = 1e6  # standardised values are clamped here before squashing (keeps inf out)
+
+# states of a cell (index into the state embedding, offset by 3 for categorical cells)
+OBSERVED, MISSING, HIDDEN = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------- hashing
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixing hash on int64 tensors holding values in [0, 2**32).
+
+    Products stay below 2**63, so no signed overflow, and results agree on every device.
+    """
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def hash_normal(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Standard normal float32 samples, a pure function of (seed, counter) (broadcast, int64).
+
+    Box-Muller on two hashed uniforms; different counters give independent-looking draws.
+    """
+    base = mix32((seed ^ mix32((counter * 2 + 0x1B873593) & _M32)) & _M32)
+    h1 = mix32(base ^ 0x68E31DA4)
+    h2 = mix32(base ^ 0x3C6EF372)
+    u1 = (h1.double() + 0.5) / _TWO32
+    u2 = (h2.double() + 0.5) / _TWO32
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).float()
+
+
+def _value_bits(x: torch.Tensor) -> torch.Tensor:
+    """Canonical 32-bit patterns of float32 values (one NaN, one zero) as int64."""
+    x = torch.where(torch.isnan(x), torch.full_like(x, float("nan")), x + 0.0)  # -0.0 -> +0.0
+    return x.contiguous().view(torch.int32).to(torch.int64) & _M32
+
+
+# ------------------------------------------------------------------------ statistics
+class ColumnSums(NamedTuple):
+    """Per-column sums over context rows; every field is a plain sum over rows.
+
+    A row-sequence-parallel plugin all-reduces (SUM) each field across its row group.
+    """
+
+    total: torch.Tensor  # float64 (B, C): sum of observed values
+    total_sq: torch.Tensor  # float64 (B, C): sum of squared observed values
+    count: torch.Tensor  # float64 (B, C): number of observed values
+    content_hash: torch.Tensor  # int64 (B, C): sum of per-cell hashes (visible values, NaN included)
+
+
+class ContextStatistics(nn.Module):
+    """Sums over the context rows of each column; the one place that reduces over rows.
+
+    Kept as its own parameter-free module (`encoder.stats`) so a row-sequence-parallel
+    plugin can hook its output and all-reduce it (all fields are sums).
+    """
+
+    def forward(self, x_visible: torch.Tensor, context_rows: torch.Tensor, with_hash: bool = True) -> ColumnSums:
+        """x_visible (B, R, C) with hidden/padding cells NaN; context_rows (B, R) bool.
+        with_hash=False skips the content hash (zeros), as training does not use it."""
+        ctx = context_rows[:, :, None]
+        observed = ~torch.isnan(x_visible) & ctx
+        x0 = torch.where(observed, x_visible, 0.0).double()
+        if with_hash:
+            content_hash = torch.where(ctx, mix32(_value_bits(x_visible) ^ 0x5BD1E995), 0).sum(1)
+        else:
+            content_hash = torch.zeros(x0.shape[0], x0.shape[2], dtype=torch.int64, device=x0.device)
+        return ColumnSums(total=x0.sum(1), total_sq=(x0 * x0).sum(1), count=observed.sum(1).double(), content_hash=content_hash)
+
+
+def mean_std(sums: ColumnSums) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context mean and (unbiased) std per column, float64; std=1 for constant/empty columns."""
+    n = sums.count
+    mean = torch.where(n > 0, sums.total / n.clamp(min=1), 0.0)
+    var = (sums.total_sq - n * mean * mean).clamp(min=0) / (n - 1).clamp(min=1)
+    std = var.sqrt()
+    degenerate = (n < 2) | (std <= 1e-7 * mean.abs() + 1e-12)
+    return mean, torch.where(degenerate, 1.0, std)
+
+
+def squash(z: torch.Tensor) -> torch.Tensor:
+    """Identity on |z| <= 3, then sign(z) * (3 + log1p(|z| - 3)): smooth, monotone, bounded growth."""
+    a = z.abs()
+    return torch.where(a <= SQUASH_LINEAR, z, torch.sign(z) * (SQUASH_LINEAR + torch.log1p((a - SQUASH_LINEAR).clamp(min=0))))
+
+
+# ----------------------------------------------------------------------------- encoder
+class EncodedTable(NamedTuple):
+    tokens: torch.Tensor  # (B, T + R, C, d): thinking rows first, then the table's rows
+    mean: torch.Tensor  # float64 (B, C) context mean used for standardisation
+    std: torch.Tensor  # float64 (B, C) context std used for standardisation
+    code_vectors: torch.Tensor  # float32 (B, C, K_table, id_dim) identity vector of each code
+
+
+class CellEncoder(nn.Module):
+    """TableBatch -> per-cell tokens. See the module docstring for what a token carries."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, e = config.d_model, config.id_dim
+        self.config = config
+        self.stats = ContextStatistics()
+        self.value = nn.Parameter(torch.randn(d))  # token direction of the squashed standardised value
+        self.code = nn.Linear(e, d, bias=False)  # categorical code identity vector
+        self.column = nn.Linear(e, d, bias=False)  # column identity vector
+        self.state = nn.Embedding(6, d)  # (numeric, categorical) x (observed, missing, hidden)
+        self.thinking = nn.Parameter(torch.empty(config.n_thinking_rows, d))
+        nn.init.normal_(self.state.weight, std=0.5)
+        nn.init.normal_(self.thinking, std=0.5)
+
+    def column_seeds(self, batch: TableBatch, sums: ColumnSums) -> torch.Tensor:
+        """int64 (B, C) seeds in [0, 2**32): a hash of content (eval) or a random draw (train)."""
+        if self.training:
+            return torch.randint(0, 2**32, batch.col_valid.shape, device=batch.x.device, dtype=torch.int64)
+        h = sums.content_hash & _M32
+        return mix32(h ^ mix32((batch.kind.long() * 0x27D4EB2F + batch.cardinality.long() * 0x165667B1 + 7) & _M32))
+
+    def forward(self, batch: TableBatch) -> EncodedTable:
+        b, r, c = batch.shape
+        e = self.config.id_dim
+        cell_valid = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
+        x = batch.visible_x().masked_fill(~cell_valid, float("nan"))  # hidden + padding -> NaN
+        context_rows = batch.context & batch.row_valid
+        sums = self.stats(x, context_rows, with_hash=not self.training)
+        mean, std = mean_std(sums)
+        seeds = self.column_seeds(batch, sums)
+
+        # random identities: counter 0..e-1 -> column vector, (k+1)*e + j -> code k
+        k_table = max(self.config.max_categories, int(batch.cardinality.max()) if batch.cardinality.numel() else 0)
+        j = torch.arange(e, device=x.device)
+        col_vec = hash_normal(seeds[:, :, None], j)  # (B, C, e)
+        ks = torch.arange(1, k_table + 1, device=x.device)
+        code_vec = hash_normal(seeds[:, :, None, None], ks[:, None] * e + j)  # (B, C, K, e)
+
+        kind = batch.kind.long()[:, None, :]  # (B, 1, C)
+        missing = torch.isnan(x)
+        hidden = batch.query
+        state = torch.where(hidden, HIDDEN, torch.where(missing, MISSING, OBSERVED)) + 3 * (kind == CATEGORICAL)
+        tokens = self.state(state)  # (B, R, C, d)
+
+        is_num = (kind == NUMERIC) & ~missing
+        z = ((x.double() - mean[:, None, :]) / std[:, None, :]).clamp(-Z_LIMIT, Z_LIMIT)
+        z = torch.where(is_num, squash(z), 0.0).float()
+        tokens = tokens + z[..., None] * self.value
+
+        is_cat = (kind == CATEGORICAL) & ~missing
+        if bool(is_cat.any()):
+            code_tok = self.code(code_vec)  # (B, C, K, d)
+            codes = torch.where(is_cat, x, 0.0).long()  # (B, R, C)
+            bi = torch.arange(b, device=x.device)[:, None, None]
+            ci = torch.arange(c, device=x.device)[None, None, :]
+            tokens = tokens + code_tok[bi, ci, codes] * is_cat[..., None].to(code_tok.dtype)
+
+        col_tok = self.column(col_vec)[:, None]  # (B, 1, C, d)
+        tokens = tokens + col_tok
+        if self.config.n_thinking_rows:
+            think = self.thinking[None, :, None, :] + col_tok  # (B, T, C, d)
+            tokens = torch.cat([think.to(tokens.dtype), tokens], dim=1)
+        return EncodedTable(tokens=tokens, mean=mean, std=std, code_vectors=code_vec)

@@ -1,0 +1,58 @@
+"""The one pretraining objective: NLL of hidden (query) cells given the visible rest of the table."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from data.batch import CATEGORICAL, NUMERIC, TableBatch
+
+from .transformer import ModelOutput
+
+Z_CLAMP = 2.0  # numeric targets are clamped to +-Z_CLAMP * bin_range (standardised) for the loss
+
+
+def masked_cell_loss(output: ModelOutput, batch: TableBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean NLL over scored query cells: categorical cross-entropy + numeric bar NLL.
+
+    Scored cells: query cells with a known true value (not NaN); categorical ones only when
+    the column's cardinality fits the head (<= K). Numeric NLL is a density NLL on the
+    context-standardised scale, -log(p_bin / bin_width) in inner bins; targets are clamped
+    to +-2 * bin_range there, which changes no gradient (tail shapes are fixed) and only
+    keeps the reported value readable when a target is wildly out of range.
+    Usable as a Booster criterion: `loss, metrics = criterion(output, batch)`.
+    Metrics: loss, cat_nll, num_nll (means over their cells; NaN if none), cat_acc, cells,
+    cat_cells, num_cells.
+    """
+    bi, ri, ci = output.index.unbind(1)
+    target = batch.x[bi, ri, ci]
+    known = ~torch.isnan(target)
+    k = output.cat_logits.shape[-1]
+    is_cat = known & (output.kind == CATEGORICAL) & (output.cardinality <= k)
+    is_num = known & (output.kind == NUMERIC)
+
+    cat_logits = output.cat_logits[is_cat]
+    cat_target = target[is_cat].long()
+    cat_nll = F.cross_entropy(cat_logits, cat_target, reduction="sum") if cat_target.numel() else cat_logits.sum() * 0
+
+    z = (target[is_num].double() - output.mean[is_num]) / output.std[is_num]
+    lim = Z_CLAMP * output.bar.edges[-1].item()
+    num_logits = output.num_logits[is_num]
+    num_nll = output.bar.nll(num_logits, z.clamp(-lim, lim)).sum() if z.numel() else num_logits.sum() * 0
+
+    n_cat, n_num = int(cat_target.numel()), int(z.numel())
+    cells = n_cat + n_num
+    # zero-weight term keeps every head in the graph (DDP needs all parameters used)
+    keep = (output.cat_logits.nan_to_num(0, 0, 0).sum() + output.num_logits.sum()) * 0.0
+    loss = (cat_nll + num_nll.to(cat_nll.dtype)) / max(cells, 1) + keep
+    with torch.no_grad():
+        cat_acc = float((cat_logits.argmax(-1) == cat_target).float().mean()) if n_cat else float("nan")
+    metrics = {
+        "loss": float(loss.detach()),
+        "cat_nll": float(cat_nll.detach()) / n_cat if n_cat else float("nan"),
+        "num_nll": float(num_nll.detach()) / n_num if n_num else float("nan"),
+        "cat_acc": cat_acc,
+        "cells": float(cells),
+        "cat_cells": float(n_cat),
+        "num_cells": float(n_num),
+    }
+    return loss, metrics

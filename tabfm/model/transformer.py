@@ -1,0 +1,178 @@
+"""TabFM: the row/column-attention table transformer (encoder -> blocks -> heads on query cells).
+
+Invariances that hold exactly in eval mode (and are tested):
+- hidden (query) cell values never reach the forward pass (`TableBatch.visible_x`);
+- padding rows/columns influence nothing (masked out of attention and statistics);
+- a non-context row influences no other row (row attention keys are context rows only);
+- column order does not matter (no column positions; column identities derive from content).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from data.batch import CATEGORICAL, NUMERIC, TableBatch
+from parallel.plan import ParallelPlan
+
+from .block import TableBlock
+from .config import ModelConfig
+from .encoder import CellEncoder
+from .heads import BarDistribution, CategoricalHead, NumericHead
+
+
+@dataclass
+class ModelOutput:
+    """Predictions for the N query cells of a batch, in `batch.query.nonzero()` order.
+
+    index        long (N, 3)       (table, row, column) of each query cell
+    cat_logits   float32 (N, K)    categorical logits over codes 0..K-1 (K = max_categories);
+                                   -inf beyond the column's cardinality; 0 rows for numeric cells
+    num_logits   float32 (N, n_bins) bar-distribution logits on the standardised scale
+                                   (meaningful for numeric cells only)
+    mean, std    float64 (N,)      context mean/std of the cell's column: x = mean + std * z
+    kind         int8 (N,)         1 numeric, 2 categorical
+    cardinality  long (N,)         categories of the cell's column (0 for numeric)
+    bar          BarDistribution   the bins behind num_logits
+    """
+
+    index: torch.Tensor
+    cat_logits: torch.Tensor
+    num_logits: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    kind: torch.Tensor
+    cardinality: torch.Tensor
+    bar: BarDistribution
+
+    def __len__(self) -> int:
+        return int(self.index.shape[0])
+
+
+def _keys_first(batch: TableBatch) -> tuple[TableBatch, torch.Tensor | None]:
+    """Reorder each table's rows so key rows (valid context rows) come first, keeping their
+    order. Rows carry no position in this model, so this changes nothing but memory layout:
+    row attention then reads its keys as a prefix slice. Returns the reordered batch and
+    `pos` (B, R), the new position of each original row (None when already in order)."""
+    keys = batch.context & batch.row_valid
+    if bool((keys[:, 1:] <= keys[:, :-1]).all()):  # already a prefix in every table
+        return batch, None
+    order = torch.argsort((~keys).to(torch.int8), dim=1, stable=True)  # original row at each new position
+    pos = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    idx3 = order[:, :, None].expand_as(batch.x)
+    moved = TableBatch(
+        x=batch.x.gather(1, idx3),
+        kind=batch.kind,
+        cardinality=batch.cardinality,
+        row_valid=batch.row_valid.gather(1, order),
+        col_valid=batch.col_valid,
+        context=batch.context.gather(1, order),
+        query=batch.query.gather(1, idx3),
+    )
+    return moved, pos
+
+
+def _attention_masks(batch: TableBatch, n_thinking: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+    """For a keys-first batch: the column-attention key mask (B*R', 1, 1, C) over R' = T + R
+    rows, the number of leading key rows n_keys, and the row-attention key mask (B, n_keys).
+
+    Masks are None where nothing needs masking. A table with no valid key at all (a fully
+    padded table) gets one arbitrary key so attention stays finite (its outputs are unused).
+    """
+    b, r, c = batch.shape
+    rows = n_thinking + r
+    col_ok = batch.col_valid.clone()
+    col_ok[:, 0] |= ~col_ok.any(1)
+    col_mask = None
+    if not bool(col_ok.all()):
+        col_mask = col_ok[:, None, :].expand(b, rows, c).reshape(b * rows, 1, 1, c)
+
+    counts = (batch.context & batch.row_valid).sum(1) + n_thinking
+    n_keys = max(int(counts.max()), 1)
+    kv_mask = torch.arange(n_keys, device=counts.device)[None, :] < counts[:, None]
+    kv_mask[:, 0] |= counts == 0
+    return col_mask, n_keys, (None if bool(kv_mask.all()) else kv_mask)
+
+
+class TabFM(nn.Module):
+    """Table foundation model. `forward(batch) -> ModelOutput` for the batch's query cells.
+
+    Submodule names (used by `parallel_plan`): `encoder` (with `encoder.stats`),
+    `blocks.{i}.{col_attn,row_attn,mlp}`, `norm`, `num_head`, `cat_head`.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.encoder = CellEncoder(config)
+        self.blocks = nn.ModuleList(TableBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.num_head = NumericHead(config.d_model, config.n_bins, config.bin_range)
+        self.cat_head = CategoricalHead(config.d_model, config.id_dim)
+        self._scale_residual_outputs()
+
+    def _scale_residual_outputs(self) -> None:
+        """GPT-2 style: shrink the last projection of every residual branch by 1/sqrt(2 * n_layers)."""
+        factor = (2 * self.config.n_layers) ** -0.5
+        with torch.no_grad():
+            for block in self.blocks:
+                for lin in (block.col_attn.out, block.row_attn.out, block.mlp.fc2):
+                    lin.weight.mul_(factor)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def forward(self, batch: TableBatch) -> ModelOutput:
+        cfg = self.config
+        t = cfg.n_thinking_rows
+        index = batch.query.nonzero()  # (N, 3): b, r, c in the caller's row order
+        bi, ri, ci = index.unbind(1)
+        batch, pos = _keys_first(batch)
+        if pos is not None:
+            ri = pos[bi, ri]
+        enc = self.encoder(batch)
+        col_mask, n_keys, kv_mask = _attention_masks(batch, t)
+        x = enc.tokens
+        use_ckpt = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            if use_ckpt:
+                x = checkpoint(block, x, col_mask, n_keys, kv_mask, use_reentrant=False)
+            else:
+                x = block(x, col_mask, n_keys, kv_mask)
+
+        h = self.norm(x[bi, ri + t, ci])  # heads only on query cells
+        card = batch.cardinality[bi, ci].long()
+        k = cfg.max_categories
+        cat_logits = self.cat_head(h, enc.code_vectors[bi, ci, :k], card)
+        num_logits = self.num_head(h).float()
+        return ModelOutput(
+            index=index,
+            cat_logits=cat_logits,
+            num_logits=num_logits,
+            mean=enc.mean[bi, ci],
+            std=enc.std[bi, ci],
+            kind=batch.kind[bi, ci],
+            cardinality=card,
+            bar=self.num_head.bar,
+        )
+
+    def parallel_plan(self) -> ParallelPlan:
+        """How the engine may split this model (see parallel/plan.py)."""
+        n = self.config.n_layers
+        return ParallelPlan(
+            blocks=[f"blocks.{i}" for i in range(n)],
+            tp_plan={
+                "blocks.*.col_attn.qkv": "colwise",
+                "blocks.*.col_attn.out": "rowwise",
+                "blocks.*.row_attn.qkv": "colwise",
+                "blocks.*.row_attn.out": "rowwise",
+                "blocks.*.mlp.fc1": "colwise",
+                "blocks.*.mlp.fc2": "rowwise",
+            },
+            row_attention=[f"blocks.{i}.row_attn" for i in range(n)],
+            row_statistics=["encoder.stats"],
+            num_heads=self.config.n_heads,
+        )

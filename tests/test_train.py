@@ -1,0 +1,109 @@
+"""Pretraining: the loss falls, a crashed run resumes to the uninterrupted result, CLI and config errors."""
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from synth.stream import StreamConfig
+from tabfm.cli import main
+from tabfm.model import ModelConfig, TabFM
+from tabfm.train import PretrainConfig, build_optimizer, warmup_cosine
+from tabfm.train.evaluate import synthetic_eval
+from tabfm.train.pretrain import pretrain
+from tabfm.train.trainer import Trainer
+
+
+def smoke(**kw) -> PretrainConfig:
+    return PretrainConfig.preset("smoke", **kw)
+
+
+def params(out) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "export" / "model.safetensors"))
+
+
+def test_warmup_cosine_by_hand():
+    f = warmup_cosine(warmup_steps=4, total_steps=14, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.25) and f(3) == pytest.approx(1.0)
+    assert f(4) == pytest.approx(1.0)
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+
+
+def test_short_pretraining_lowers_held_out_loss(tmp_path):
+    cfg = smoke(steps=60, lr=3e-3, warmup_steps=5, eval_every=60, ckpt_every=60)
+    torch.manual_seed(cfg.seed)
+    initial = TabFM(ModelConfig.preset(cfg.model))  # the same initialisation pretrain() starts from
+    held_out = synthetic_eval(StreamConfig.preset(cfg.stream), cfg.seed, n_batches=6)
+    before = held_out(initial.eval())["loss"]
+    result = pretrain(cfg, tmp_path, progress=False)
+    trained = TabFM(ModelConfig.preset(cfg.model))
+    trained.load_state_dict(params(tmp_path))
+    after = held_out(trained.eval())["loss"]
+    assert result.step == 60 and result.stopped == "steps"
+    assert after < before - 0.1, (before, after)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in records} == {"train", "eval"}
+    assert all(math.isfinite(r["loss"]) for r in records if r["kind"] == "train")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, optimizer):
+    cfg = smoke(steps=6, ckpt_every=3, eval_every=100, eval_batches=0, optimizer=optimizer)
+    pretrain(cfg, tmp_path / "straight", progress=False)
+
+    save = Trainer.save
+
+    def crash_after_first_checkpoint(self):
+        path = save(self)
+        if self.step == 3:
+            raise KeyboardInterrupt("simulated kill right after the step-3 checkpoint")
+        return path
+
+    monkeypatch.setattr(Trainer, "save", crash_after_first_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(cfg, tmp_path / "resumed", progress=False)
+    monkeypatch.setattr(Trainer, "save", save)
+    result = pretrain(cfg, tmp_path / "resumed", progress=False)
+    assert result.step == 6
+    a, b = params(tmp_path / "straight"), params(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_a_different_run(tmp_path):
+    pretrain(smoke(steps=2, eval_batches=0), tmp_path, progress=False)
+    with pytest.raises(ValueError, match="seed=0, this one has seed=1"):
+        pretrain(smoke(steps=2, eval_batches=0, seed=1), tmp_path, progress=False)
+
+
+def test_muon_optimizer_steps_all_parameters():
+    model = TabFM(ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2))
+    opt = build_optimizer(model, "muon", lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 10))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    assert opt.param_groups[0]["lr"] != opt.param_groups[0]["initial_lr"]  # the scheduler drives every group
+    assert len({g["lr"] / g["initial_lr"] for g in opt.param_groups}) == 1
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("optimizer", "sgd"), ("precision", "fp8"), ("clip", 0.0), ("min_lr_ratio", 2.0)])
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"PretrainConfig.{field}"):
+        smoke(**{field: value})
+
+
+def test_cli_pretrain_writes_an_export(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["pretrain", "--preset", "smoke", "--steps", "3", "--out", str(out), "--quiet"]) == 0
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["format"] == "tabfm.model" and config["model"] == ModelConfig.preset("tiny").to_dict()
+    assert "export" in capsys.readouterr().out
+    assert main(["pretrain", "--preset", "smoke", "--steps", "0", "--out", str(out), "--quiet"]) == 2
