@@ -13,6 +13,7 @@ import copy
 import itertools
 from typing import Any, Iterator
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from synth.stream import StreamConfig, SynthStream
@@ -108,7 +109,10 @@ class SynthLoader:
     def __iter__(self) -> Iterator[Any]:
         ds = copy.copy(self.dataset)
         ds.start = self.position
-        for item in DataLoader(ds, batch_size=None, **self.loader_kwargs):
+        # the tables depend only on positions; a private generator keeps the DataLoader from
+        # drawing its worker base seed from the global torch RNG, which a resumed run restores
+        kwargs = {"generator": torch.Generator().manual_seed(self.dataset.seed), **self.loader_kwargs}
+        for item in DataLoader(ds, batch_size=None, **kwargs):
             self.position += 1
             yield item
 

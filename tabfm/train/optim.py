@@ -58,6 +58,8 @@ class CombinedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer state holds {len(states)} optimizers, this one has {len(self.optimizers)}")
         for o, s in zip(self.optimizers, states):
             o.load_state_dict(s)
+        # loading replaces each child's group dicts: point at the new ones so schedulers reach them
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
 
 def build_optimizer(
