@@ -62,9 +62,10 @@ class StreamConfig:
         # unit tests: tables up to 64 x 8
         "tiny": dict(min_rows=8, max_rows=64, min_cols=2, max_cols=8, max_cells=512,
                      row_quantum=8, cells_per_batch=2048, max_batch=16),
-        # CPU pretraining of tabfm-tiny: tables up to 768 x 32, ~32k cells per batch
-        "pretrain": dict(min_rows=32, max_rows=768, min_cols=2, max_cols=32, max_cells=12288,
-                         row_quantum=32, cells_per_batch=32768, max_batch=32),
+        # CPU pretraining of tabfm-tiny: tables up to 512 x 24, ~16k cells per batch, mostly classification
+        "pretrain": dict(min_rows=32, max_rows=512, min_cols=2, max_cols=24, max_cells=8192,
+                         row_quantum=32, cells_per_batch=16384, max_batch=32,
+                         classification=0.6, regression=0.2, imputation=0.2),
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),

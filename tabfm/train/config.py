@@ -42,7 +42,7 @@ class PretrainConfig:
     eval_every: int = 250
     eval_batches: int = 8
     eval_sklearn: bool = True
-    ckpt_every: int = 250
+    ckpt_every: int = 100
     keep_last: int = 3
     device: str | None = None
 
