@@ -23,6 +23,12 @@ from tabfm.train.metrics_log import MetricsLog
 Evaluator = Callable[[nn.Module], dict[str, float]]
 
 
+def _nanmean(values: list[float]) -> float:
+    """Mean over the finite entries (a micro-batch with no cells of a kind reports NaN for it)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
 class ResumableData(Protocol):
     """An iterable of batches whose position can be saved and restored."""
 
@@ -157,7 +163,7 @@ class Trainer:
             bar.update(1)
             if self.step % self.log_every == 0 or self.step == self.steps:
                 dt = max(time.perf_counter() - window_t0, 1e-9)
-                last = {k: sum(v) / len(v) for k, v in window.items()}
+                last = {k: _nanmean(v) for k, v in window.items()}
                 last.update(lr=self.optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm),
                             cells_per_s=window_cells / dt, elapsed_s=time.perf_counter() - start)
                 self.log.log(self.step, "train", last)
