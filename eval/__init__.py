@@ -1,1 +1,25 @@
+"""eval/: the measuring instrument — suites, protocols, metrics, baselines, cache, reports — for any
+sklearn-style estimator. Imports ``data/`` and third-party libraries only, never ``tabfm``.
 
+    from eval import evaluate, baseline_methods, Method, build_public, load_suite
+    build_public("suites")                                         # the public suites of SUITES.md
+    report = evaluate("classification", "suites", {**baseline_methods("classification"),
+                                                   "mine": Method(MyClassifier, version="1")},
+                      out_dir="runs/eval/classification")
+
+Modules: ``suites`` (suite format, loading, validation, ``build_public``), ``prepare`` (the
+SUITES.md preparation rules and public dataset specs), ``protocols`` (k-fold, imputation masks,
+ADBench splits; the estimator contract), ``metrics``, ``baselines`` / ``imputers`` / ``detectors``
+(baseline registries), ``cache``, ``report``, ``runner``.
+"""
+from eval.protocols import PROTOCOLS, get_protocol, imputation_mask
+from eval.report import Report, average_ranks, mean_ranks, wins_ties_losses
+from eval.runner import Method, baseline_methods, evaluate
+from eval.suites import TASKS, Dataset, build_public, load_dataset, load_suite, save_dataset
+
+__all__ = [
+    "evaluate", "baseline_methods", "Method", "Report",
+    "build_public", "load_suite", "load_dataset", "save_dataset", "Dataset", "TASKS",
+    "PROTOCOLS", "get_protocol", "imputation_mask",
+    "average_ranks", "mean_ranks", "wins_ties_losses",
+]

@@ -7,45 +7,44 @@
 
 The measuring instrument lives in ``eval/`` (which never imports ``tabfm``); this command hands it
 the methods: the task's baselines (``eval.baselines``) plus the project's own estimators from
-:data:`EXTRA_METHODS`, filled in by :func:`load_extra_methods`.
+:func:`tabfm_methods` (the weights named by ``--model``).
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Callable
+import hashlib
+import warnings
+from typing import Any
+
+from tabfm.weights import resolve_model_path
 
 TASKS = ("classification", "regression", "imputation", "anomaly")
 
-# ---------------------------------------------------------------------------------------------
-# THE SEAM: the project's own methods, per task: {task: {name: factory or eval.runner.Method}}.
-# A factory is a zero-argument callable returning a fresh estimator that follows the contract in
-# eval/protocols.py (classification: fit / predict_proba; regression: fit / predict; imputation:
-# fit_transform; anomaly: fit / score_samples with HIGHER = MORE ANOMALOUS). Wrap it in
-# eval.runner.Method(factory, version=...) to give a version (e.g. the weights' hash) that goes into
-# the result-cache key, so new weights are not served stale cached scores.
-# ---------------------------------------------------------------------------------------------
-EXTRA_METHODS: dict[str, dict[str, Callable[[], Any] | Any]] = {}
+def tabfm_methods(model: str = "tabfm-tiny") -> dict[str, dict[str, Any]]:
+    """The project's own methods per task, {task: {"tabfm": eval.runner.Method}}, for weights `model`.
 
-
-def load_extra_methods() -> dict[str, dict[str, Any]]:
-    """Populate :data:`EXTRA_METHODS` on first use (lazily: importing the model stays off the path
-    of ``tabfm eval build-public`` and of baseline-only runs). Edit here to register estimators::
-
-        from eval.detectors import Negated
-        from eval.runner import Method
-        from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
-        version = {"tabfm": <weights hash / release>}
-        EXTRA_METHODS["classification"] = {"tabfm": Method(TabFMClassifier, version)}
-        EXTRA_METHODS["regression"] = {"tabfm": Method(TabFMRegressor, version)}
-        EXTRA_METHODS["imputation"] = {"tabfm": Method(TabFMImputer, version)}
-        # sklearn-style detectors score higher = more normal: flip them
-        EXTRA_METHODS["anomaly"] = {"tabfm": Method(lambda: Negated(TabFMAnomalyDetector()), version)}
+    The estimators follow the contract in eval/protocols.py; the anomaly detector scores
+    higher = more normal (sklearn), so it is flipped. The weights' hash is the method's version,
+    so new weights are never served stale cached scores. No weights: a warning, no methods.
     """
-    if EXTRA_METHODS:
-        return EXTRA_METHODS
-    # (nothing registered yet: the TabFM estimators are wired in here)
-    return EXTRA_METHODS
+    try:
+        path = resolve_model_path(model)
+    except FileNotFoundError as err:
+        warnings.warn(f"TabFM methods skipped: {err}")
+        return {}
+    from eval.detectors import Negated
+    from eval.runner import Method
+    from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
+
+    version = {"tabfm": hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]}
+    where = str(path)
+    return {
+        "classification": {"tabfm": Method(lambda: TabFMClassifier(model=where, random_state=0), version)},
+        "regression": {"tabfm": Method(lambda: TabFMRegressor(model=where, random_state=0), version)},
+        "imputation": {"tabfm": Method(lambda: TabFMImputer(model=where, random_state=0), version)},
+        "anomaly": {"tabfm": Method(lambda: Negated(TabFMAnomalyDetector(model=where, random_state=0)), version)},
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "or a suite directory (DIR/<task>/ is used when it exists)")
     p.add_argument("--methods", default="all",
                    help="comma-separated method names, or 'all' (default), 'baselines', 'extra'")
+    p.add_argument("--model", default="tabfm-tiny", help="TabFM weights: a shipped name or an export directory")
     p.add_argument("--datasets", help="comma-separated dataset names (default: every dataset of the suite)")
     p.add_argument("--out", help="output directory (default runs/eval/<task>)")
     p.add_argument("--cache", help="result cache directory (default OUT/cache)")
@@ -85,12 +85,14 @@ def _split(text: str | None) -> list[str]:
     return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
-def select_methods(task: str, spec: str, threads: int = 1) -> dict[str, Any]:
-    """Resolve ``--methods`` into {name: Method}: 'all', 'baselines', 'extra' or explicit names."""
+def select_methods(task: str, spec: str, threads: int = 1, extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Resolve ``--methods`` into {name: Method}: 'all', 'baselines', 'extra' or explicit names.
+
+    `extras` are the project's own methods for `task` ({name: factory or Method})."""
     from eval.baselines import BASELINE_NAMES
     from eval.runner import Method, baseline_methods
 
-    extras = {n: (m if isinstance(m, Method) else Method(m)) for n, m in load_extra_methods().get(task, {}).items()}
+    extras = {n: (m if isinstance(m, Method) else Method(m)) for n, m in (extras or {}).items()}
     names = _split(spec) or ["all"]
     out: dict[str, Any] = {}
     for name in names:
@@ -142,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--task is required (classification, regression, imputation or anomaly)")
     from eval.runner import evaluate
 
-    methods = select_methods(args.task, args.methods, threads=args.threads)
+    extras = tabfm_methods(args.model).get(args.task, {}) if args.methods != "baselines" else {}
+    methods = select_methods(args.task, args.methods, threads=args.threads, extras=extras)
     suite = _suite_dir(args.task, args.suite)
     out = Path(args.out) if args.out else Path("runs") / "eval" / args.task
     cache = None if args.no_cache else (Path(args.cache) if args.cache else out / "cache")
