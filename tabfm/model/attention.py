@@ -20,9 +20,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Attention (N, H, L, hd) x (N, H, S, hd) -> (N, H, L, hd); mask broadcastable to (N, H, L, S).
 
     `F.scaled_dot_product_attention` everywhere, except on CPU in reduced precision: there
-    its backward is several times slower than plain matmuls for short key sets (measured
-    on torch 2.13: 16 keys, 4x), so short key sets use the explicit formula (softmax in
-    fp32) and long ones run SDPA in fp32.
+    its backward is much slower than plain matmuls for short key sets (measured on torch
+    2.13, 16 keys: ~10x) and slower than fp32 SDPA for long ones, so short key sets use the
+    explicit formula (softmax in fp32) and long ones run SDPA in fp32.
     """
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
@@ -70,7 +70,9 @@ class RowAttention(_FusedAttention):
     never influence any other row.
 
     `gather_kv` is the seam for row-sequence parallelism: a plugin replaces it with an
-    all-gather of keys, values and key mask along the row axis.
+    all-gather of keys, values and key mask along the row axis (a None mask means all local
+    keys are real). The model's learned thinking rows are the first `n_thinking_rows` keys on
+    every rank, so such a plugin should keep them from only one rank.
     """
 
     def gather_kv(

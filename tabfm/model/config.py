@@ -3,9 +3,9 @@
 Presets (parameter counts from `TabFM(ModelConfig.preset(name)).num_parameters()`):
 
     preset  d_model  layers  heads  mlp_ratio  thinking rows  n_bins  parameters
-    tiny         96       4      4        2.0              0      64     ~0.47 M
-    small       128      10      4        2.0              8     128     ~2.04 M
-    base        192      12      6        2.0             16     128     ~5.37 M
+    tiny         96       4      4        2.0              0      64      0.48 M
+    small       128      10      4        2.0              8     128      2.05 M
+    base        192      12      6        2.0             16     128      5.46 M
 
 `tiny` is sized to train on 2 CPU cores in a couple of hours; `base` matches TabPFN v2's
 width and depth (d=192, 12 layers, 6 heads, MLP 384). The weights do not depend on

@@ -8,17 +8,19 @@ What a token carries, and why:
 - categorical cells: a random Gaussian identity vector per (table, column, code), projected
   by a learned linear map. Codes carry identity, never order: code 3 is not "between" codes
   2 and 4, and relabelling the codes of a column only relabels the vectors. No vocabulary
-  limit on inputs.
+  limit on inputs, and distinct codes never collide. (A learned slot table with a random
+  code -> slot permutation per column learned no faster on toy in-context classification,
+  2 seeds, and caps the vocabulary.)
 - a state embedding: observed / missing (NaN) / hidden (query cell), per kind.
 - a column identity: a random Gaussian vector per (table, column), projected, added to
   every cell of the column; it tells columns apart without any notion of column position.
 
-Random vectors come from a counter-based integer hash (vectorised, same on every device).
-Each column's seed is a hash of the column's visible context content (kind, cardinality,
-values): in eval mode, so predictions are an exact function of the table and do not depend on
-column order, query rows or padding. In train mode seeds are drawn from torch's RNG
-instead (fresh identities every step, even for repeated tables; ranks that share a table,
-e.g. under row-sequence parallelism, must share the RNG state).
+Random vectors come from a counter-based integer hash (vectorised, same on every device)
+of a per-column seed. In eval mode the seed is a hash of the column's visible context content (kind, cardinality, values), so predictions are
+an exact function of the table and do not depend on column order, query rows or padding.
+In train mode seeds are drawn from torch's RNG instead (fresh identities every step, even
+for repeated tables; ranks that share a table, e.g. under row-sequence parallelism, must
+share the RNG state).
 """
 from __future__ import annotations
 
@@ -163,10 +165,9 @@ class CellEncoder(nn.Module):
 
         # random identities: counter 0..e-1 -> column vector, (k+1)*e + j -> code k
         k_table = max(self.config.max_categories, int(batch.cardinality.max()) if batch.cardinality.numel() else 0)
-        j = torch.arange(e, device=x.device)
-        col_vec = hash_normal(seeds[:, :, None], j)  # (B, C, e)
-        ks = torch.arange(1, k_table + 1, device=x.device)
-        code_vec = hash_normal(seeds[:, :, None, None], ks[:, None] * e + j)  # (B, C, K, e)
+        vecs = hash_normal(seeds[:, :, None], torch.arange((k_table + 1) * e, device=x.device))
+        vecs = vecs.view(b, c, k_table + 1, e)
+        col_vec, code_vec = vecs[:, :, 0], vecs[:, :, 1:]  # (B, C, e), (B, C, K, e)
 
         kind = batch.kind.long()[:, None, :]  # (B, 1, C)
         missing = torch.isnan(x)
@@ -179,17 +180,20 @@ class CellEncoder(nn.Module):
         z = torch.where(is_num, squash(z), 0.0).float()
         tokens = tokens + z[..., None] * self.value
 
+        col_tok = self.column(col_vec)[:, None]  # (B, 1, C, d)
+        code_tok = self.code(code_vec)  # (B, C, K, d)
         is_cat = (kind == CATEGORICAL) & ~missing
         if bool(is_cat.any()):
-            code_tok = self.code(code_vec)  # (B, C, K, d)
             codes = torch.where(is_cat, x, 0.0).long()  # (B, R, C)
             bi = torch.arange(b, device=x.device)[:, None, None]
             ci = torch.arange(c, device=x.device)[None, None, :]
             tokens = tokens + code_tok[bi, ci, codes] * is_cat[..., None].to(code_tok.dtype)
+        else:  # every parameter stays in the graph (data-parallel wrappers expect gradients for all)
+            col_tok = col_tok + 0.0 * code_tok.sum()
 
-        col_tok = self.column(col_vec)[:, None]  # (B, 1, C, d)
-        tokens = tokens + col_tok
         if self.config.n_thinking_rows:
             think = self.thinking[None, :, None, :] + col_tok  # (B, T, C, d)
-            tokens = torch.cat([think.to(tokens.dtype), tokens], dim=1)
+            tokens = torch.cat([think.to(tokens.dtype), tokens + col_tok], dim=1)
+        else:
+            tokens = tokens + (col_tok + self.thinking.sum())  # empty sum: 0, keeps the parameter in the graph
         return EncodedTable(tokens=tokens, mean=mean, std=std, code_vectors=code_vec)

@@ -5,6 +5,10 @@ Invariances that hold exactly in eval mode (and are tested):
 - padding rows/columns influence nothing (masked out of attention and statistics);
 - a non-context row influences no other row (row attention keys are context rows only);
 - column order does not matter (no column positions; column identities derive from content).
+
+Rows carry no position either: `forward` reorders each table's rows so the key rows (valid
+context rows) come first, which lets row attention read its keys as a prefix slice; the
+output refers to the caller's row numbers.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
+from data.batch import TableBatch
 from parallel.plan import ParallelPlan
 
 from .block import TableBlock
