@@ -10,7 +10,7 @@ PLUGINS = ("single",)
 
 # command-line flag -> PretrainConfig field, for the plain overrides
 _FIELDS = {
-    "steps": int, "max_minutes": float, "optimizer": str, "lr": float, "warmup_steps": int, "precision": str,
+    "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "warmup_steps": int, "precision": str,
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float,
 }

@@ -18,6 +18,7 @@ class PretrainConfig:
     stream         StreamConfig preset name of the synthetic stream
     steps          optimizer steps of the whole run (also the length of the cosine schedule)
     max_minutes    wall-clock budget of this invocation; on expiry it checkpoints and exports
+    threads        torch intra-op threads (None: torch's default); on a busy 2-core machine 1 is fastest
     grad_accum     micro-batches per optimizer step
     eval_every     steps between evaluations (held-out synthetic tables + sklearn datasets)
     ckpt_every     steps between checkpoints; keep_last of them are kept
@@ -27,11 +28,12 @@ class PretrainConfig:
     stream: str = "pretrain"
     steps: int = 2000
     max_minutes: float | None = None
+    threads: int | None = None
     optimizer: str = "adamw"
     lr: float = 1e-3
     muon_lr: float = 0.02
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
+    warmup_steps: int = 60
     weight_decay: float = 0.01
     clip: float = 1.0
     precision: str = "bf16"
@@ -84,3 +86,4 @@ class PretrainConfig:
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self.clip > 0, "clip", "must be > 0")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
+        need(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1), "threads", "must be None or an integer >= 1")

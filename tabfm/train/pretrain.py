@@ -44,6 +44,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_cfg = ModelConfig.preset(cfg.model)
     model = TabFM(model_cfg)

@@ -1,0 +1,96 @@
+"""Smoke test of benchmarks/model_speed.py at toy sizes (a few seconds): the FLOP formulas
+agree with FlopCounterMode on the matmuls, the TabPFN-v2 re-implementation has the v2
+parameter count, and a --quick run produces the table and the JSON."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ms():
+    spec = importlib.util.spec_from_file_location("model_speed", ROOT / "benchmarks" / "model_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model_speed"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+TOY = dict(tables=2, rows=16, cols=7, context=12)
+
+
+def test_batch_and_tabpfn_inputs(ms):
+    shape = ms.Shape(**TOY)
+    batch = ms.make_batch(shape)
+    assert batch.shape == (2, 16, 7) and shape.cells == 2 * 16 * 7
+    assert int(batch.query.sum()) == 2 * (16 - 12) and bool(batch.query[:, 12:, -1].all())
+    x, y, target = ms.tabpfn_inputs(batch, shape.context)
+    assert x.shape == (16, 2, 6) and y.shape == (12, 2) and target.shape == (4, 2)
+    assert int(target.max()) < ms.N_CLASSES_TARGET
+
+
+def test_tabfm_flops_match_flop_counter(ms):
+    shape = ms.Shape(**TOY)
+    cfg = ms.ModelConfig.preset("tiny", d_model=32, n_heads=4, n_layers=2, n_thinking_rows=2)
+    torch.manual_seed(0)
+    model = ms.TabFM(cfg).train()
+    step = ms.tabfm_train_step(model, ms._adamw(model), ms.make_batch(shape), "fp32")
+    counted = ms.counted_matmul_flops(step)
+    analytic = ms.tabfm_flops(cfg, shape)
+    assert analytic["total"] == analytic["linear"] + analytic["attention"] > 0
+    # the counter also sees the encoder and head matmuls (not the CPU SDPA): a little more
+    assert counted is not None and analytic["linear"] <= counted <= 1.15 * analytic["linear"]
+    assert ms.tabfm_flops(cfg, shape, train=False)["total"] == pytest.approx(analytic["total"] / 3)
+
+
+def test_v2_reimplementation_flops_and_grad(ms):
+    shape = ms.Shape(**TOY)
+    torch.manual_seed(0)
+    model = ms.V2LikeModel(32, 2, 4)
+    inputs = ms.tabpfn_inputs(ms.make_batch(shape), shape.context)
+    out = model(inputs[0], inputs[1])
+    assert out.shape == (4, 2, ms.TABPFN_N_OUT) and torch.isfinite(out).all()
+    step = ms.tabpfn_train_step(model, ms._adamw(model), inputs, "fp32")
+    counted = ms.counted_matmul_flops(step)
+    analytic = ms.tabpfn_v2_flops(32, 2, shape)
+    assert counted is not None and analytic["linear"] <= counted <= 1.2 * analytic["linear"]
+    assert all(p.grad is not None for p in model.blocks.parameters())
+
+
+def test_v2_reimplementation_matches_package_size(ms):
+    module, _ = ms.load_tabpfn_v2()
+    if module is None:
+        pytest.skip("tabpfn not installed (it is never a project dependency)")
+    pkg = ms.build_tabpfn_v2(module, 32, 2, 4)
+    ours = ms.V2LikeModel(32, 2, 4)
+    assert sum(p.numel() for p in pkg.parameters()) == sum(p.numel() for p in ours.parameters())
+
+
+def test_quick_run_writes_table_and_json(ms, tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    result = ms.main(["--quick", "--reference", "reimpl", "--reps", "1", "--precisions", "fp32,bf16", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "x tabpfn" in printed and "tabpfn-v2-like (re-implemented)" in printed
+    data = json.loads(out.read_text())
+    assert data["reference"]["label"] == ms.LABEL_REIMPL
+    for key in ("cpu_model", "threads", "load_average_start", "load_average_end", "torch_version"):
+        assert key in data["machine"]
+    rows = {(r["model"], r["precision"]): r for r in data["rows"]}
+    assert set(rows) == {("tabfm", "fp32"), ("tabfm", "bf16"), ("tabpfn", "fp32"), ("tabpfn", "bf16")}
+    for (model, _), r in rows.items():
+        assert r["cells_per_s_cpu"] > 0 and r["cells_per_s_wall"] > 0 and r["infer_ms_wall"] > 0
+        assert 0 < r["mfu_cpu"] < 10  # toy GEMM peak: MFU is only checked for being finite here
+        assert (r["speedup_vs_tabpfn_cpu"] is not None) == (model == "tabfm")
+    tabfm_fp32 = rows[("tabfm", "fp32")]
+    assert math.isclose(tabfm_fp32["speedup_vs_tabpfn_cpu"],
+                        tabfm_fp32["cells_per_s_cpu"] / rows[("tabpfn", "fp32")]["cells_per_s_cpu"])
+    assert set(data["peak_gflops"]) == {"fp32", "bf16"}
+    assert result["goals"] and all(g["preset"] == "tiny" for g in data["goals"])
