@@ -2,6 +2,14 @@
 wins / ties / losses against each baseline), as Markdown, JSON and CSV.
 
 ``scores`` everywhere is ``{dataset: {method: {metric: value}}}`` (NaN / missing = no score).
+
+Failures (``errors``: ``{dataset: {method: "Type: message"}}``, a method that raised on a dataset):
+the method has no score there, so means are over the datasets it completed; for ranks a failure
+counts as the **worst rank** on that dataset (every condition of it, when ranks are per dataset x
+condition): failed methods share the bottom places, tied, after every method with a score
+(3 methods, 1 failed: rank 3; 2 failed: both 2.5). Where no method has a score for a metric
+(e.g. ``cat_accuracy`` on an all-numeric table) nobody is ranked. Wins / ties / losses count only
+datasets both methods completed. The tables show such cells as ``failed``.
 """
 from __future__ import annotations
 
@@ -23,9 +31,11 @@ def _ok(v) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def average_ranks(values: dict[str, float], higher_better: bool) -> dict[str, float]:
+def average_ranks(values: dict[str, float], higher_better: bool, failed=()) -> dict[str, float]:
     """Rank methods on one dataset: 1 = best, tied values share the average of their ranks.
-    Methods without a finite value are left out."""
+    Methods without a finite value are left out, except the ``failed`` ones: they take the worst
+    places, tied (all of them get the mean of the bottom ranks), when at least one method has a
+    finite value (otherwise nobody is ranked)."""
     items = [(m, float(v)) for m, v in values.items() if _ok(v)]
     items.sort(key=lambda mv: -mv[1] if higher_better else mv[1])
     ranks: dict[str, float] = {}
@@ -38,6 +48,12 @@ def average_ranks(values: dict[str, float], higher_better: bool) -> dict[str, fl
         for k in range(i, j + 1):
             ranks[items[k][0]] = avg
         i = j + 1
+    bad = [m for m in dict.fromkeys(failed) if m not in ranks]
+    if ranks and bad:
+        n = len(ranks)
+        worst = (n + 1 + n + len(bad)) / 2.0
+        for m in bad:
+            ranks[m] = worst
     return ranks
 
 
@@ -55,13 +71,19 @@ def mean_scores(scores: Scores, metric: str, methods: list[str]) -> dict[str, fl
     return out
 
 
-def mean_ranks(scores: Scores, metric: str, methods: list[str], higher_better: bool | None = None) -> dict[str, float]:
-    """Mean over datasets of each method's rank among ``methods`` (ties averaged)."""
+def mean_ranks(scores: Scores, metric: str, methods: list[str], higher_better: bool | None = None,
+               failed: dict[str, object] | None = None) -> dict[str, float]:
+    """Mean over datasets of each method's rank among ``methods`` (ties averaged).
+
+    ``failed`` = ``{row of scores: methods that failed there}``: they get the worst rank on that row
+    (see :func:`average_ranks`)."""
     hb = higher_is_better(metric) if higher_better is None else higher_better
     table = metric_table(scores, metric)
+    failed = failed or {}
     acc: dict[str, list[float]] = {m: [] for m in methods}
     for d, per in table.items():
-        ranks = average_ranks({m: per.get(m) for m in methods if m in per}, hb)
+        ranks = average_ranks({m: per.get(m) for m in methods if m in per}, hb,
+                              failed=[m for m in failed.get(d, ()) if m in acc])
         for m, r in ranks.items():
             acc[m].append(r)
     return {m: (float(np.mean(v)) if v else float("nan")) for m, v in acc.items()}
@@ -101,6 +123,10 @@ class Report:
     # optional finer table the mean ranks are computed on (imputation: one row per dataset x
     # condition, as BASELINES.md does); None = rank the per-dataset scores
     rank_scores: Scores | None = None
+    # not rendered: the runner's per-dataset results ({dataset: {method: {"metrics", "units", ...}}},
+    # used by eval.plots) and the run record it writes to run.json
+    results: dict | None = field(default=None, repr=False)
+    run: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.metrics = self.metrics or list(TASK_METRICS.get(self.task, []))
@@ -115,18 +141,39 @@ class Report:
         return self.metrics[0]
 
     # ------------------------------------------------------------------ numbers
+    def failed(self, dataset: str, method: str) -> bool:
+        return method in self.errors.get(dataset, {})
+
+    def _rank_failures(self) -> dict[str, list[str]]:
+        """{row of the rank table: failed methods}: a dataset's failures apply to every row of it
+        (rank_scores rows are "<dataset>|<condition>")."""
+        if not self.errors:
+            return {}
+        if not self.rank_scores:
+            return {d: list(per) for d, per in self.errors.items()}
+        out = {}
+        by_len = sorted(self.errors, key=len, reverse=True)
+        for row in self.rank_scores:
+            d = next((d for d in by_len if row.startswith(d + "|")), None)
+            if d is not None:
+                out[row] = list(self.errors[d])
+        return out
+
     def aggregate(self) -> dict[str, dict[str, float]]:
-        """{method: {metric: mean, metric+'_rank': mean rank, 'n_datasets': count}}."""
+        """{method: {metric: mean, metric+'_rank': mean rank, 'n_datasets': completed, 'n_failed': failed}}."""
         out = {m: {} for m in self.methods}
+        failures = self._rank_failures()
         for metric in self.metrics:
             means = mean_scores(self.scores, metric, self.methods)
-            ranks = mean_ranks(self.rank_scores or self.scores, metric, self.methods) if metric in self.ranked else {}
+            ranks = (mean_ranks(self.rank_scores or self.scores, metric, self.methods, failed=failures)
+                     if metric in self.ranked else {})
             for m in self.methods:
                 out[m][metric] = means[m]
                 if metric in self.ranked:
                     out[m][f"{metric}_rank"] = ranks[m]
         for m in self.methods:
             out[m]["n_datasets"] = sum(1 for per in self.scores.values() if m in per and _ok(per[m].get(self.headline)))
+            out[m]["n_failed"] = sum(1 for per in self.errors.values() if m in per)
         return out
 
     def order(self) -> list[str]:
@@ -162,6 +209,9 @@ class Report:
             "tie_tolerance": self.tie_tol,
             "ranked_per": "dataset x condition" if self.rank_scores else "dataset",
             "errors": self.errors,
+            "failure_rule": "a failed method has no score on that dataset: means are over the datasets it completed; "
+                            "ranks count it as the worst rank there (failures tied at the bottom); "
+                            "wins/ties/losses skip the dataset",
             "meta": self.meta,
         })
 
@@ -175,9 +225,15 @@ class Report:
         unit = "dataset x condition" if self.rank_scores else "dataset"
         lines.append(f"Means over datasets; mean rank (per {unit}) in brackets (1 = best, ties averaged). "
                      + ", ".join(f"{m} {'↑' if higher_is_better(m) else '↓'}" for m in self.metrics))
+        if self.errors:
+            lines.append("")
+            lines.append("A method that failed on a dataset (shown as `failed`) has no score there: its means are over "
+                         "the datasets it completed; in the ranks a failure counts as the worst rank (failures tied "
+                         "at the bottom); wins / ties / losses skip that dataset.")
+        fail_col = bool(self.errors)
         lines.append("")
-        lines.append("| method | " + " | ".join(self.metrics) + " |")
-        lines.append("|---|" + "---|" * len(self.metrics))
+        lines.append("| method | " + " | ".join(self.metrics) + (" | failed" if fail_col else "") + " |")
+        lines.append("|---|" + "---|" * (len(self.metrics) + fail_col))
         for m in order:
             cells = []
             for metric in self.metrics:
@@ -186,13 +242,15 @@ class Report:
                 if metric in self.ranked:
                     cell += f" ({_fmt(agg[m][f'{metric}_rank'], 1)})"
                 cells.append(cell)
+            if fail_col:
+                cells.append(str(agg[m]["n_failed"]))
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         for metric in self.metrics if self.task != "imputation" else [self.headline, "cat_accuracy"]:
             lines += ["", f"Per dataset {metric}:", ""]
             lines.append("| dataset | " + " | ".join(order) + " |")
             lines.append("|---|" + "---|" * len(order))
             for d, per in self.scores.items():
-                row = [_fmt(per.get(m, {}).get(metric), 3) for m in order]
+                row = ["failed" if self.failed(d, m) else _fmt(per.get(m, {}).get(metric), 3) for m in order]
                 lines.append(f"| {d} | " + " | ".join(row) + " |")
         bl = [b for b in self.baselines if b in self.methods]
         if bl:
@@ -205,7 +263,7 @@ class Report:
                 row = ["—" if b == m else "/".join(map(str, wtl[m][b])) for b in bl]
                 lines.append(f"| {m} | " + " | ".join(row) + " |")
         if self.errors:
-            lines += ["", "Errors:", ""]
+            lines += ["", "Failures (not cached: a rerun retries them):", ""]
             for d, per in self.errors.items():
                 for m, e in per.items():
                     lines.append(f"- {d} / {m}: {e}")

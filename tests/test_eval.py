@@ -508,7 +508,7 @@ def _toy_suite(tmp_path) -> Path:
 def test_cache_hit_avoids_recomputation(tmp_path):
     suite = _toy_suite(tmp_path)
     _Counted.calls = 0
-    kw = dict(cache_dir=tmp_path / "cache", progress=False, verbose=False)
+    kw = dict(cache_dir=tmp_path / "cache", progress=False, verbose=False, plots=False)
     r1 = evaluate("classification", suite, {"logreg": _logreg, "dummy": Method(_Counted, version="1")}, tmp_path / "o", **kw)
     assert _Counted.calls == 10  # 2 datasets x 5 folds
     r2 = evaluate("classification", suite, {"logreg": _logreg, "dummy": Method(_Counted, version="1")}, tmp_path / "o", **kw)
@@ -549,6 +549,226 @@ def test_failing_method_is_recorded_not_fatal(tmp_path):
     assert "broken" not in rep.scores["toy0"]
 
 
+# ============================================================================ failures, run record, plots
+class _Flaky:
+    """Logistic regression that raises on any dataset with a column "c" while ``fail`` is set."""
+    fail = True
+
+    def __init__(self):
+        self.inner = _logreg()
+
+    def fit(self, X, y):
+        if type(self).fail and "c" in X.columns:
+            raise RuntimeError("no column c please")
+        self.inner.fit(X, y)
+        self.classes_ = np.arange(2)
+        return self
+
+    def predict_proba(self, X):
+        return self.inner.predict_proba(X)
+
+
+def _toy_suite3(tmp_path) -> Path:
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        X = pd.DataFrame({"a": rng.normal(size=60), "b": rng.normal(size=60)})
+        if i == 1:
+            X["c"] = rng.normal(size=60)
+        X["y"] = pd.Categorical(np.where(X["a"] + 0.3 * rng.normal(size=60) > 0, "p", "n"))
+        save_dataset(tmp_path / "suite3", f"toy{i}", X, "classification", "y")
+    return tmp_path / "suite3"
+
+
+def test_failure_on_one_dataset_is_recorded_and_retried(tmp_path):
+    suite = _toy_suite3(tmp_path)
+    out = tmp_path / "o"
+    kw = dict(progress=False, verbose=False, plots=False)
+    methods = {"logreg": _logreg, "flaky": _Flaky, "dummy": Method(_Counted, version="1")}
+    _Flaky.fail = True
+    try:
+        with pytest.warns(RuntimeWarning, match=r"toy1: method 'flaky' failed .*RuntimeError: no column c please"):
+            rep = evaluate("classification", suite, methods, out, **kw)
+    finally:
+        _Flaky.fail = False
+    # the run completed; only toy1/flaky failed; every other score is intact
+    assert rep.errors == {"toy1": {"flaky": "RuntimeError: no column c please"}}
+    assert set(rep.scores["toy1"]) == {"logreg", "dummy"} and set(rep.scores["toy0"]) == {"logreg", "flaky", "dummy"}
+    alone = evaluate("classification", suite, {"logreg": _logreg}, None, cache_dir=None, **kw)
+    for d in ["toy0", "toy1", "toy2"]:
+        assert rep.scores[d]["logreg"] == alone.scores[d]["logreg"]
+    assert rep.scores["toy0"]["flaky"] == rep.scores["toy0"]["logreg"]
+    # means over completed datasets, worst rank where it failed: flaky = logreg (1.5) on toy0/toy2, 3 on toy1
+    agg = rep.aggregate()
+    assert agg["flaky"]["n_datasets"] == 2 and agg["flaky"]["n_failed"] == 1
+    assert agg["flaky"]["roc_auc"] == pytest.approx(np.mean([rep.scores[d]["flaky"]["roc_auc"] for d in ["toy0", "toy2"]]))
+    assert agg["flaky"]["roc_auc_rank"] == pytest.approx((1.5 + 3 + 1.5) / 3)
+    # the report shows it, results.json and run.json record it
+    md = (out / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| toy1 |"))
+    assert "failed" in row and "- toy1 / flaky: RuntimeError: no column c please" in md
+    res = json.loads((out / "results.json").read_text())
+    assert res["failures"]["toy1"]["flaky"]["type"] == "RuntimeError"
+    assert res["failures"]["toy1"]["flaky"]["message"] == "no column c please"
+    assert "flaky" not in res["results"]["toy1"] and "flaky" in res["results"]["toy0"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["failures"] == {"toy1": {"flaky": {"type": "RuntimeError", "message": "no column c please"}}}
+    assert run["timings"]["toy1"]["flaky"]["status"] == "failed" and not run["timings"]["toy1"]["flaky"]["cached"]
+    assert json.loads((out / "report.json").read_text())["errors"]["toy1"]["flaky"].startswith("RuntimeError")
+    # the failure was not cached: a rerun retries it (and only it), the rest comes from the cache
+    calls = _Counted.calls
+    rep2 = evaluate("classification", suite, methods, out, **kw)
+    assert rep2.errors == {} and "flaky" in rep2.scores["toy1"] and _Counted.calls == calls
+    t = json.loads((out / "run.json").read_text())["timings"]
+    assert t["toy1"]["flaky"]["status"] == "ok" and not t["toy1"]["flaky"]["cached"]
+    assert all(t[d][m]["cached"] for d in t for m in t[d] if (d, m) != ("toy1", "flaky"))
+    assert rep2.meta["cache"]["hits"] == 8 and rep2.meta["cache"]["misses"] == 1
+
+
+def test_keyboard_interrupt_stops_the_run(tmp_path):
+    suite = _toy_suite(tmp_path)
+
+    class Interrupted:
+        def fit(self, X, y):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate("classification", suite, {"logreg": _logreg, "stop": Interrupted}, tmp_path / "o",
+                 progress=False, verbose=False, plots=False)
+    assert not (tmp_path / "o" / "report.md").exists()
+    assert not list((tmp_path / "o" / "cache").rglob("stop-*.json"))
+
+
+def test_run_json_records_versions_seeds_and_timings(tmp_path):
+    suite = _toy_suite(tmp_path)
+    methods = {"logreg": _logreg, "dummy": Method(_Counted, version={"ckpt": "abc123"})}
+    rep = evaluate("classification", suite, methods, tmp_path / "o", progress=False, verbose=False, plots=False,
+                   command={"argv": ["tabfm", "eval"], "methods_spec": "logreg,dummy"})
+    run = json.loads((tmp_path / "o" / "run.json").read_text())
+    assert run == json.loads(json.dumps(rep.run, default=str))
+    for k in ["python", "numpy", "pandas", "sklearn", "torch"]:
+        assert k in run["versions"]
+    assert run["versions"]["sklearn"] and run["versions"]["python"].count(".") == 2
+    assert run["methods"]["dummy"]["versions"]["ckpt"] == "abc123" and "sklearn" in run["methods"]["logreg"]["versions"]
+    assert run["seeds"] == {"cv": "StratifiedKFold", "n_splits": 5, "shuffle": True, "random_state": 0}
+    assert run["suite"]["dir"] == str(suite.resolve()) and run["suite"]["datasets"] == ["toy0", "toy1"]
+    assert run["command"]["task"] == "classification" and run["command"]["methods"] == ["logreg", "dummy"]
+    assert run["command"]["methods_spec"] == "logreg,dummy" and run["task"] == "classification"
+    assert run["started"].endswith("+00:00") and run["total_seconds"] > 0
+    for d in ["toy0", "toy1"]:
+        for m in methods:
+            t = run["timings"][d][m]
+            assert t["status"] == "ok" and t["cached"] is False and t["seconds"] > 0
+    evaluate("classification", suite, methods, tmp_path / "o", progress=False, verbose=False, plots=False)
+    run = json.loads((tmp_path / "o" / "run.json").read_text())
+    t = run["timings"]["toy0"]["dummy"]
+    assert t["status"] == "cached" and t["cached"] is True and t["computed_seconds"] > 0
+    from eval.runner import protocol_seeds
+
+    assert protocol_seeds("imputation")["seeds"] == [0, 1, 2] and protocol_seeds("anomaly")["random_state"] == [0, 1, 2]
+
+
+def test_rank_rule_with_failures_by_hand():
+    # failures take the worst places, tied among themselves, after every method with a score
+    assert average_ranks({"A": 0.9, "B": 0.8}, True, failed=["C"]) == {"A": 1.0, "B": 2.0, "C": 3.0}
+    assert average_ranks({"A": 0.9}, True, failed=["B", "C"]) == {"A": 1.0, "B": 2.5, "C": 2.5}
+    assert average_ranks({"A": 0.1, "B": 0.1}, False, failed=["C"]) == {"A": 1.5, "B": 1.5, "C": 3.0}
+    assert average_ranks({"A": float("nan")}, True, failed=["B"]) == {}  # nobody scored: nobody ranked
+    scores = {
+        "d1": {"A": {"roc_auc": 0.9}, "B": {"roc_auc": 0.8}, "C": {"roc_auc": 0.7}},
+        "d2": {"A": {"roc_auc": 0.6}, "C": {"roc_auc": 0.8}},  # B failed on d2
+        "d3": {"A": {"roc_auc": 0.5}, "B": {"roc_auc": 0.6}, "C": {"roc_auc": 0.6}},
+    }
+    errors = {"d2": {"B": "ValueError: bad"}}
+    # d1: A1 B2 C3 ; d2: C1 A2 B3 (failed = worst) ; d3: B1.5 C1.5 A3
+    assert mean_ranks(scores, "roc_auc", ["A", "B", "C"], failed=errors) == pytest.approx(
+        {"A": 6 / 3, "B": 6.5 / 3, "C": 5.5 / 3})
+    rep = Report("classification", scores, ["A", "B", "C"], ["A"], metrics=["roc_auc"], errors=errors)
+    agg = rep.aggregate()
+    assert agg["B"]["roc_auc_rank"] == pytest.approx(6.5 / 3)
+    assert agg["B"]["roc_auc"] == pytest.approx(0.7)  # mean over the 2 datasets it completed
+    assert agg["B"]["n_datasets"] == 2 and agg["B"]["n_failed"] == 1 and agg["A"]["n_failed"] == 0
+    assert wins_ties_losses(scores, "roc_auc", "A", "B") == (1, 0, 1)  # d2 skipped
+    assert rep.order() == ["C", "A", "B"]
+    md = rep.to_markdown()
+    assert "| d2 | 0.800 | 0.600 | failed |" in md and "worst rank" in md
+    assert "| method | roc_auc | failed |" in md and "| B | 0.7000 (2.2) | 1 |" in md
+    # per dataset x condition ranks: the failure is the worst rank in every condition of its dataset
+    units = {"d1|c1": {"A": {"roc_auc": 1.0}, "B": {"roc_auc": 0.0}},
+             "d2|c1": {"A": {"roc_auc": 1.0}}, "d2|c2": {"A": {"roc_auc": 0.0}}}
+    rep = Report("classification", {"d1": {"A": {"roc_auc": 1.0}, "B": {"roc_auc": 0.0}}, "d2": {"A": {"roc_auc": 0.5}}},
+                 ["A", "B"], ["A"], metrics=["roc_auc"], rank_scores=units, errors={"d2": {"B": "boom"}})
+    assert rep.aggregate()["A"]["roc_auc_rank"] == pytest.approx(1.0)
+    assert rep.aggregate()["B"]["roc_auc_rank"] == pytest.approx(2.0)
+
+
+def _is_png(path: Path) -> bool:
+    return path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_classification_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    suite = _toy_suite3(tmp_path)
+    _Flaky.fail = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rep = evaluate("classification", suite, {"logreg": _logreg, "flaky": _Flaky}, tmp_path / "o",
+                           progress=False, verbose=True)
+    finally:
+        _Flaky.fail = False
+    plots = tmp_path / "o" / "plots"
+    assert sorted(p.name for p in plots.iterdir()) == ["ranks_roc_auc.png", "scores_roc_auc.png"]
+    assert all(_is_png(p) for p in plots.iterdir())
+    out = capsys.readouterr().out
+    assert f"plot: {plots / 'scores_roc_auc.png'}" in out and "run.json" in out
+    assert rep.meta["files"]["plots"] == [str(plots / "scores_roc_auc.png"), str(plots / "ranks_roc_auc.png")]
+
+
+def test_plots_imputation_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from eval.plots import rmse_by_condition
+
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        z = rng.normal(size=40)
+        frame = pd.DataFrame({"x": z, "y": 2 * z + rng.normal(size=40), "k": pd.Categorical(np.where(z > 0, "a", "b"))})
+        save_dataset(tmp_path / "imp", f"imp{i}", frame, "imputation", None)
+
+    class Zeros:
+        def fit_transform(self, X):
+            return X.fillna({"x": 0.0, "y": 0.0, "k": "a"})
+
+    rep = evaluate("imputation", tmp_path / "imp", {"mean": MeanModeImputer, "zeros": Zeros}, tmp_path / "o",
+                   progress=False, verbose=False)
+    plots = tmp_path / "o" / "plots"
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == ["imputation_rmse_vs_rate.png", "ranks_rmse.png", "scores_rmse.png"]
+    assert all(_is_png(p) for p in plots.iterdir())
+    # the curves come from the per-condition units stored in results.json
+    res = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    curves = rmse_by_condition(res)
+    assert set(curves) == {"mean", "zeros"} and set(curves["mean"]) == {"MCAR", "MAR", "MNAR"}
+    assert sorted(curves["mean"]["MCAR"]) == [0.1, 0.3, 0.5]
+    mcar = [np.mean([u["rmse"] for u in res[d]["mean"]["units"] if u["mechanism"] == "MCAR" and u["rate"] == 0.3])
+            for d in res]
+    assert curves["mean"]["MCAR"][0.3] == pytest.approx(np.mean(mcar))
+    live = rmse_by_condition(rep.results)
+    flat = {(m, k, r): v for m, per in curves.items() for k, rates in per.items() for r, v in rates.items()}
+    assert {(m, k, r): v for m, per in live.items() for k, rates in per.items() for r, v in rates.items()} == pytest.approx(flat)
+
+
+def test_no_matplotlib_warns_and_writes_no_plots(tmp_path, monkeypatch):
+    import sys
+
+    for mod in ["matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"]:
+        monkeypatch.setitem(sys.modules, mod, None)  # import -> ImportError
+    suite = _toy_suite(tmp_path)
+    with pytest.warns(RuntimeWarning, match="matplotlib is not available"):
+        rep = evaluate("classification", suite, {"logreg": _logreg}, tmp_path / "o", progress=False, verbose=False)
+    assert not (tmp_path / "o" / "plots").exists() and rep.meta["files"]["plots"] == []
+    assert (tmp_path / "o" / "report.md").exists() and (tmp_path / "o" / "run.json").exists()
+
+
 # ============================================================================ CLI
 def _cli(argv):
     import argparse
@@ -566,11 +786,14 @@ def test_cli_eval_and_method_selection(tmp_path, capsys):
 
     suite = _toy_suite(tmp_path)
     rc = _cli(["eval", "--task", "classification", "--suite", str(suite), "--methods", "logreg,knn",
-               "--out", str(tmp_path / "out"), "--no-progress"])
+               "--out", str(tmp_path / "out"), "--no-progress", "--no-plots"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "| logreg |" in out and "Wins / ties / losses" in out
     assert (tmp_path / "out" / "report.md").exists() and (tmp_path / "out" / "cache").is_dir()
+    assert not (tmp_path / "out" / "plots").exists()  # --no-plots
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["command"]["methods_spec"] == "logreg,knn" and run["command"]["methods"] == ["logreg", "knn"]
     with pytest.raises(ValueError, match="unknown classification method 'nope'"):
         cmd.select_methods("classification", "nope")
     with pytest.raises(ValueError, match="--task is required"):

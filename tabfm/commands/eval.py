@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 import hashlib
+import sys
 import warnings
 from typing import Any
 
@@ -71,6 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--tie-tol", type=float, default=0.0, help="|difference| counted as a tie in wins/ties/losses")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.add_argument("--quiet", action="store_true", help="do not print the report")
+    p.add_argument("--no-plots", action="store_true", help="do not write the PNG plots (OUT/plots/*.png)")
     sub = p.add_subparsers(dest="eval_action", metavar="{build-public DIR}")
     b = sub.add_parser("build-public", help="materialise the public suites (SUITES.md) into DIR/<task>/",
                        description="Write the public classification / imputation / anomaly suites of "
@@ -151,5 +153,7 @@ def run(args: argparse.Namespace) -> int:
     cache = None if args.no_cache else (Path(args.cache) if args.cache else out / "cache")
     report = evaluate(args.task, suite, methods, out, cache_dir=cache, datasets=_split(args.datasets) or None,
                       progress=not args.no_progress, n_threads=args.threads, tie_tol=args.tie_tol,
-                      verbose=not args.quiet)
+                      verbose=not args.quiet, plots=not args.no_plots,
+                      command={"argv": list(sys.argv), "methods_spec": args.methods, "model": args.model,
+                               "suite_arg": args.suite, "datasets": _split(args.datasets) or None})
     return 1 if report.errors else 0
