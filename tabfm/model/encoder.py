@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from data.batch import CATEGORICAL, NUMERIC, TableBatch
 
-from .config import ModelConfig
+from .config import FIXED_CODE_SEED, ModelConfig
 
 _M32 = 0xFFFFFFFF
 _TWO32 = float(2**32)
@@ -165,9 +165,14 @@ class CellEncoder(nn.Module):
 
         # random identities: counter 0..e-1 -> column vector, (k+1)*e + j -> code k
         k_table = max(self.config.max_categories, int(batch.cardinality.max()) if batch.cardinality.numel() else 0)
-        vecs = hash_normal(seeds[:, :, None], torch.arange((k_table + 1) * e, device=x.device))
-        vecs = vecs.view(b, c, k_table + 1, e)
-        col_vec, code_vec = vecs[:, :, 0], vecs[:, :, 1:]  # (B, C, e), (B, C, K, e)
+        counters = torch.arange((k_table + 1) * e, device=x.device)
+        if self.config.code_ids == "fixed":  # one shared vector per code index, random per column
+            col_vec = hash_normal(seeds[:, :, None], counters[:e])  # (B, C, e)
+            shared = hash_normal(torch.tensor(FIXED_CODE_SEED, device=x.device), counters[e:]).view(k_table, e)
+            code_vec = shared.expand(b, c, k_table, e)  # (B, C, K, e)
+        else:
+            vecs = hash_normal(seeds[:, :, None], counters).view(b, c, k_table + 1, e)
+            col_vec, code_vec = vecs[:, :, 0], vecs[:, :, 1:]  # (B, C, e), (B, C, K, e)
 
         kind = batch.kind.long()[:, None, :]  # (B, 1, C)
         missing = torch.isnan(x)
