@@ -9,9 +9,11 @@ from .checkpoint import (
     list_checkpoints,
 )
 from .export import export_model, load_exported
+from .launch import DistInfo, destroy, launch, seed_for_rank
+from .mesh import MeshSpec, build_mesh, resolve_mesh_spec
 from .plan import ParallelPlan
 from .plugin import Plugin
-from .plugins import SingleProcessPlugin
+from .plugins import LowLevelZeroPlugin, ReplicatedCheckpointIO, SingleProcessPlugin, TorchDDPPlugin
 from .precision import DynamicLossScaler, MixedPrecision
 from .state_io import load_state, save_state
 from .wrappers import ModelWrapper, OptimizerWrapper
@@ -35,4 +37,6 @@ __all__ = [
     "load_exported",
     "load_state",
     "save_state",
+    "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin",
+    "build_mesh", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
 ]

@@ -1,0 +1,276 @@
+"""TorchDDPPlugin: plain data parallelism with torch DDP (full replica of model and optimizer).
+
+Gradients are averaged by DDP's bucketed allreduce during backward, so every rank holds the
+same averaged gradients: the plain global norm on each rank is the true norm, and clipping
+needs no extra communication. `no_sync` is DDP's own (really skips the allreduce).
+
+Checkpoints use the GeneralCheckpointIO format (one full copy): rank 0 writes, the other ranks
+wait for it and learn whether it succeeded; every rank loads the full state.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from ..checkpoint import (
+    GeneralCheckpointIO,
+    atomic_directory,
+    capture_rng_state,
+    load_model_weights,
+    prune_checkpoints,
+    read_manifest,
+    restore_rng_state,
+    unwrap_model,
+    write_manifest,
+)
+from ..plugin import Plugin
+from ..precision import MixedPrecision
+from ..state_io import load_state, save_state, save_weights
+from ..wrappers import ModelWrapper, OptimizerWrapper
+
+
+def _require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("this plugin needs an initialised process group: call parallel.launch.launch() first "
+                           "(under torchrun), or use SingleProcessPlugin")
+
+
+class ReplicatedCheckpointIO(GeneralCheckpointIO):
+    """GeneralCheckpointIO for replicated state: rank 0 writes the full copy, all ranks load it.
+
+    Every rank must call save/load (they are collective). Before writing, optimizers that shard
+    their state (`consolidate_state_dict`, i.e. ZeroRedundancyOptimizer) are gathered to rank 0.
+    Each rank's RNG state is stored (`rng_ranks`); loading with the same world size restores a
+    rank's own RNG, otherwise (and in a single process) rank 0's. The directory is readable by
+    `GeneralCheckpointIO` (same `checkpoint_io` name), so a single process can resume from it.
+    """
+
+    name = "general"
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None) -> None:
+        self.group = group
+
+    def _rank_world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(self.group), dist.get_world_size(self.group)
+        return 0, 1
+
+    def _global_src(self) -> int:
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
+    # --- hooks: how full state is gathered and scattered (FSDP overrides them) ------------------
+    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Collective. The full model state dict on rank 0 (None elsewhere)."""
+        return unwrap_model(model).state_dict() if self._rank_world()[0] == 0 else None
+
+    def full_optimizer_state(self, model: nn.Module | None, optimizer: Any) -> dict[str, Any] | None:
+        """Collective. The full, index-keyed optimizer state dict on rank 0 (None elsewhere)."""
+        inner = optimizer.unwrap() if hasattr(optimizer, "unwrap") else optimizer
+        if hasattr(inner, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
+            inner.consolidate_state_dict(to=self._global_src())
+        return optimizer.state_dict() if self._rank_world()[0] == 0 else None
+
+    def load_full_model_state(self, model: nn.Module, path: Path, strict: bool) -> None:
+        load_model_weights(model, path, strict=strict)
+
+    def load_full_optimizer_state(self, model: nn.Module | None, optimizer: Any, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)  # ZeRO keeps its own partition of the full state
+
+    # --- save / load -------------------------------------------------------------------------
+    def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
+        path = Path(path)
+        rank, world = self._rank_world()
+        if world == 1 and type(self).full_model_state is ReplicatedCheckpointIO.full_model_state:
+            return super().save_checkpoint(path, meta, model, optimizer, lr_scheduler, extra, keep_last)
+        model_state = self.full_model_state(model) if model is not None else None
+        optim_state = self.full_optimizer_state(model, optimizer) if optimizer is not None else None
+        rng_ranks: list[Any] = [None] * world
+        if world > 1:
+            dist.all_gather_object(rng_ranks, capture_rng_state(), group=self.group)
+        else:
+            rng_ranks = [capture_rng_state()]
+        error: list[str | None] = [None]
+        if rank == 0:
+            try:
+                with atomic_directory(path) as tmp:
+                    if model is not None:
+                        save_weights(model_state, tmp / "model.safetensors")
+                    if optimizer is not None:
+                        save_state(optim_state, tmp / "optimizer")
+                    if lr_scheduler is not None:
+                        save_state(lr_scheduler.state_dict(), tmp / "scheduler")
+                    save_state({"trainer": dict(extra or {}), "rng": rng_ranks[0], "rng_ranks": rng_ranks},
+                               tmp / "extra")
+                    write_manifest(tmp, meta, self.name)
+                if keep_last is not None:
+                    prune_checkpoints(path.parent, keep_last, keep=path)
+            except Exception as e:  # tell the other ranks instead of leaving them at a barrier
+                error[0] = f"{type(e).__name__}: {e}"
+                if world > 1:
+                    dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
+                raise
+        if world > 1:
+            dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
+        if error[0] is not None:
+            raise RuntimeError(f"rank 0 failed to write checkpoint {path}: {error[0]}")
+        return path
+
+    def load_checkpoint(self, path, model=None, optimizer=None, lr_scheduler=None, strict=True, restore_rng=True):
+        path = Path(path)
+        rank, world = self._rank_world()
+        manifest = read_manifest(path)
+        if manifest.get("checkpoint_io") != self.name:
+            raise ValueError(f"{path} was written by checkpoint IO {manifest.get('checkpoint_io')!r}; "
+                             f"{type(self).__name__} reads only {self.name!r} checkpoints")
+        if model is not None:
+            self.load_full_model_state(model, path / "model.safetensors", strict)
+        if optimizer is not None:
+            self.load_full_optimizer_state(model, optimizer, load_state(path / "optimizer"))
+        if lr_scheduler is not None:
+            lr_scheduler.load_state_dict(load_state(path / "scheduler"))
+        state = load_state(path / "extra")
+        if not isinstance(state, dict) or not {"trainer", "rng"} <= state.keys():
+            raise ValueError(f"{path / 'extra.json'}: expected keys 'trainer' and 'rng'")
+        if restore_rng:
+            ranks = state.get("rng_ranks")
+            restore_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
+        return state["trainer"]
+
+    def export(self, model, out_dir, config):
+        from ..export import export_model
+
+        rank, world = self._rank_world()
+        state = self.full_model_state(model)  # collective
+        error: list[str | None] = [None]
+        out = Path(out_dir)
+        if rank == 0:
+            try:
+                out = export_model(_StateHolder(state), out_dir, config)
+            except Exception as e:
+                error[0] = f"{type(e).__name__}: {e}"
+                if world > 1:
+                    dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
+                raise
+        if world > 1:
+            dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
+        if error[0] is not None:
+            raise RuntimeError(f"rank 0 failed to export {out_dir}: {error[0]}")
+        return out
+
+
+class _StateHolder(nn.Module):
+    """Presents an already-gathered state dict to `export_model`."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_state", state)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return self._state
+
+
+class TorchDDPPlugin(Plugin):
+    """torch DistributedDataParallel over the default process group (or `process_group`).
+
+    precision               "fp32" | "bf16" | "fp16" | MixedPrecision.
+    bucket_cap_mb           DDP gradient bucket size.
+    find_unused_parameters  set when some parameters get no gradient in a step.
+    broadcast_buffers       sync buffers from rank 0 at each forward (DDP's default; False turns it off).
+    static_graph            DDP's static-graph optimisation.
+    device                  None -> cuda:LOCAL_RANK when the backend is NCCL, else cpu.
+    """
+
+    name = "ddp"
+    supports_no_sync = True
+
+    def __init__(self, precision: "str | MixedPrecision | None" = None, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True, static_graph: bool = False,
+                 gradient_as_bucket_view: bool = False, device: "str | torch.device | None" = None,
+                 process_group: "dist.ProcessGroup | None" = None) -> None:
+        _require_process_group()
+        super().__init__(precision)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.process_group = process_group
+        if device is None:
+            from ..launch import current
+            device = current().device
+        self._device = torch.device(device)
+        self._ddp: DDP | None = None
+        self._checkpoint_io = ReplicatedCheckpointIO(process_group)
+
+    # --- topology --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    @property
+    def dp_world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def is_main_process(self) -> bool:
+        return dist.get_rank() == 0
+
+    def layout(self) -> dict[str, int]:
+        return {"world_size": dist.get_world_size(), "dp": self.dp_world_size, "tp": 1, "sp": 1, "pp": 1}
+
+    # --- wrapping --------------------------------------------------------------------------
+    def _wrap_ddp(self, model: nn.Module) -> DDP:
+        model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=device_ids, process_group=self.process_group,
+                   bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
+                   static_graph=self.static_graph, gradient_as_bucket_view=self.gradient_as_bucket_view,
+                   **self._buffer_sync_kwargs())
+
+    def _buffer_sync_kwargs(self) -> dict[str, bool]:
+        if self.broadcast_buffers:
+            return {}  # DDP's default: buffers synced from rank 0 at init and every forward
+        # torch >= 2.13 renames the per-forward buffer sync (init sync then always happens)
+        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+            return {"forward_sync_buffers": False}
+        return {"broadcast_buffers": False}
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
+        # DDP broadcasts rank 0's parameters and buffers in place, so `optimizer` stays valid.
+        self._ddp = self._wrap_ddp(model)
+        wrapped_optimizer = self.wrap_optimizer(optimizer) if optimizer is not None else None
+        return self.wrap_model(model, self._ddp), wrapped_optimizer, criterion, dataloader, lr_scheduler
+
+    # --- gradients -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients without the allreduce; the first
+        backward outside syncs the accumulated sum (DDP semantics)."""
+        ddp = self._ddp
+        if model is not None:
+            inner = getattr(model, "module", model)
+            if isinstance(inner, DDP):
+                ddp = inner
+        if ddp is None:
+            raise RuntimeError("no_sync() before boost(): there is no DDP module yet")
+        with ddp.no_sync():
+            yield
