@@ -59,7 +59,7 @@ def target_batch(
 
 
 def forward_eval(model: nn.Module, batch: TableBatch, device: torch.device | str | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> ModelOutput:
+                 autocast_dtype: torch.dtype | None = None, id_seed: int = 0) -> ModelOutput:
     """Model output for the query cells of `batch`, in eval mode under inference_mode.
 
     autocast_dtype: None runs in the model's dtype (fp32); torch.bfloat16 autocasts (for CUDA).
@@ -70,14 +70,15 @@ def forward_eval(model: nn.Module, batch: TableBatch, device: torch.device | str
     try:
         with torch.inference_mode(), torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
                                                     enabled=autocast_dtype is not None):
-            return model(batch.to(device))
+            return model(batch.to(device), id_seed=id_seed)
     finally:
         model.train(was_training)
 
 
 def predict_rows(model: nn.Module, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
                  kind: np.ndarray, cardinality: np.ndarray, fn: CellFn, chunk_size: int = 1024,
-                 device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None) -> np.ndarray:
+                 device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
+                 id_seed: int = 0) -> np.ndarray:
     """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy.
 
     Query rows go through the model `chunk_size` at a time, each chunk with the full context;
@@ -90,7 +91,7 @@ def predict_rows(model: nn.Module, context_x: np.ndarray, query_x: np.ndarray, q
     for start in range(0, len(rows), chunk_size):
         take = rows[start:start + chunk_size]
         batch = query_batch(context_x, query_x[take], query_mask[take], kind, cardinality)
-        out = forward_eval(model, batch, device, autocast_dtype)
+        out = forward_eval(model, batch, device, autocast_dtype, id_seed)
         b, r, c = out.index.unbind(1)
         values = batch.x.to(out.index.device)[b, r, c]
         parts.append(fn(out, values).detach().to("cpu", torch.float64).numpy())

@@ -161,21 +161,30 @@ def test_fully_padded_table_is_harmless():
 
 
 # -------------------------------------------------------------------- invariances
-def test_column_permutation_invariance():
+@pytest.mark.parametrize("id_seed", [0, 12345])
+def test_column_permutation_invariance(id_seed):
     m, batch = model(), make_batch(c=6)
-    out = m(batch)
+    out = m(batch, id_seed=id_seed)
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
     permuted = TableBatch(
         x=batch.x[:, :, perm], kind=batch.kind[:, perm], cardinality=batch.cardinality[:, perm],
         row_valid=batch.row_valid, col_valid=batch.col_valid[:, perm], context=batch.context,
         query=batch.query[:, :, perm],
     )
-    out_p = by_cell(m(permuted))
+    out_p = by_cell(m(permuted, id_seed=id_seed))
     for (b, r, c), (cat, num) in by_cell(out).items():
         new_c = int((perm == c).nonzero())
         cat_p, num_p = out_p[(b, r, new_c)]
         torch.testing.assert_close(cat, cat_p, atol=1e-5, rtol=0)
         torch.testing.assert_close(num, num_p, atol=1e-5, rtol=0)
+
+
+def test_id_seed_draws_other_column_identities():
+    """Ensemble members salt the eval-mode identities: same model, other (deterministic) answers."""
+    m, batch = model(), make_batch(c=6)
+    a, b, again = m(batch, id_seed=1), m(batch, id_seed=2), m(batch, id_seed=1)
+    assert max_diff(a, b) > 1e-4
+    assert max_diff(a, again) == 0.0
 
 
 def test_row_order_equivariance_and_interleaved_context():

@@ -136,7 +136,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                 pool = np.arange(len(self.train_x_)) if f < 0 else np.flatnonzero(self.folds_ != f)
                 ctx_rows = subsample(m.rng(0, int(f) + 1), pool, self.max_context_rows)
                 for group in m.column_groups:
-                    total[rows] += self._group_scores(rt, m.view(self.train_x_[ctx_rows], group),
+                    total[rows] += self._group_scores(rt.for_member(m), m.view(self.train_x_[ctx_rows], group),
                                                       m.view(x[rows], group), scored[group], group)
         return total / len(members)
 

@@ -7,6 +7,7 @@ fit() only encodes and stores the training table (`train_x_`, `schema_`); the mo
 from __future__ import annotations
 
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -39,6 +40,11 @@ class Runtime:
     model: nn.Module
     device: torch.device
     autocast: torch.dtype | None
+    id_seed: int = 0  # salt of the model's eval-mode column identities (one per ensemble member)
+
+    def for_member(self, member: Member) -> "Runtime":
+        """The runtime an ensemble member runs with: its own column-identity salt."""
+        return dataclasses.replace(self, id_seed=int(member.seed) & 0xFFFFFFFF)
 
     @property
     def max_categories(self) -> int:
@@ -205,7 +211,8 @@ class TabFMEstimator(BaseEstimator):
     def _predict(self, rt: Runtime, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
                  kind: np.ndarray, cardinality: np.ndarray, fn: CellFn) -> np.ndarray:
         return predict_rows(rt.model, context_x, query_x, query_mask, kind, cardinality, fn,
-                            chunk_size=self.chunk_size, device=rt.device, autocast_dtype=rt.autocast)
+                            chunk_size=self.chunk_size, device=rt.device, autocast_dtype=rt.autocast,
+                            id_seed=rt.id_seed)
 
     def _supervised_view(self, member: Member, x_query: np.ndarray, strata: np.ndarray | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -65,7 +65,7 @@ class TabFMClassifier(ClassifierMixin, TabFMEstimator):
         total = np.zeros((len(x), n))
         for m in members:
             rows, ctx, query, kind, card = self._supervised_view(m, x, strata=self.y_)
-            probs = self._class_tree(rt, ctx, m.class_perm[self.y_[rows]], query, kind, card, n)
+            probs = self._class_tree(rt.for_member(m), ctx, m.class_perm[self.y_[rows]], query, kind, card, n)
             total += m.unpermute_classes(probs)
         total = np.clip(total / len(members), 0.0, None)
         return total / total.sum(1, keepdims=True)

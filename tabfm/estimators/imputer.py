@@ -124,7 +124,7 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                 sub = query[:, group]
                 if not sub.any():
                     continue
-                out = self._predict(rt, m.view(self.train_x_[ctx_rows], group), m.view(x, group), sub,
+                out = self._predict(rt.for_member(m), m.view(self.train_x_[ctx_rows], group), m.view(x, group), sub,
                                     kind[group], card[group], fn)
                 r, c = np.nonzero(sub)
                 ids = cell_id[r, group[c]]

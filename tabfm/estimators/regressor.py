@@ -74,6 +74,6 @@ class TabFMRegressor(RegressorMixin, TabFMEstimator):
         total = np.zeros((len(x), 1 + len(levels)))
         for m in members:
             rows, ctx, query, kind, card = self._supervised_view(m, x)
-            total += self._predict_target(rt, ctx, self.y_[rows], query, kind, card, None, fn).reshape(len(x), -1)
+            total += self._predict_target(rt.for_member(m), ctx, self.y_[rows], query, kind, card, None, fn).reshape(len(x), -1)
         total /= len(members)
         return total[:, 0], total[:, 1:]

@@ -146,14 +146,20 @@ class CellEncoder(nn.Module):
         nn.init.normal_(self.state.weight, std=0.5)
         nn.init.normal_(self.thinking, std=0.5)
 
-    def column_seeds(self, batch: TableBatch, sums: ColumnSums) -> torch.Tensor:
-        """int64 (B, C) seeds in [0, 2**32): a hash of content (eval) or a random draw (train)."""
+    def column_seeds(self, batch: TableBatch, sums: ColumnSums, id_seed: int = 0) -> torch.Tensor:
+        """int64 (B, C) seeds in [0, 2**32): a hash of content (eval) or a random draw (train).
+
+        `id_seed` salts the eval-mode hash: ensemble members pass different salts to average
+        over column identities while each member stays column-order invariant."""
         if self.training:
             return torch.randint(0, 2**32, batch.col_valid.shape, device=batch.x.device, dtype=torch.int64)
         h = sums.content_hash & _M32
-        return mix32(h ^ mix32((batch.kind.long() * 0x27D4EB2F + batch.cardinality.long() * 0x165667B1 + 7) & _M32))
+        seeds = mix32(h ^ mix32((batch.kind.long() * 0x27D4EB2F + batch.cardinality.long() * 0x165667B1 + 7) & _M32))
+        if id_seed:
+            seeds = mix32(seeds ^ mix32(torch.tensor(int(id_seed) & _M32, device=seeds.device)))
+        return seeds
 
-    def forward(self, batch: TableBatch) -> EncodedTable:
+    def forward(self, batch: TableBatch, id_seed: int = 0) -> EncodedTable:
         b, r, c = batch.shape
         e = self.config.id_dim
         cell_valid = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
@@ -161,7 +167,7 @@ class CellEncoder(nn.Module):
         context_rows = batch.context & batch.row_valid
         sums = self.stats(x, context_rows, with_hash=not self.training)
         mean, std = mean_std(sums)
-        seeds = self.column_seeds(batch, sums)
+        seeds = self.column_seeds(batch, sums, id_seed)
 
         # random identities: counter 0..e-1 -> column vector, (k+1)*e + j -> code k
         k_table = max(self.config.max_categories, int(batch.cardinality.max()) if batch.cardinality.numel() else 0)

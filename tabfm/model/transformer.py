@@ -129,7 +129,8 @@ class TabFM(nn.Module):
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
-    def forward(self, batch: TableBatch) -> ModelOutput:
+    def forward(self, batch: TableBatch, id_seed: int = 0) -> ModelOutput:
+        """Predictions for the query cells; `id_seed` salts eval-mode column identities (ensembles)."""
         cfg = self.config
         t = cfg.n_thinking_rows
         index = batch.query.nonzero()  # (N, 3): b, r, c in the caller's row order
@@ -137,7 +138,7 @@ class TabFM(nn.Module):
         batch, pos = _keys_first(batch)
         if pos is not None:
             ri = pos[bi, ri]
-        enc = self.encoder(batch)
+        enc = self.encoder(batch, id_seed)
         col_mask, n_keys, kv_mask = _attention_masks(batch, t)
         x = enc.tokens
         use_ckpt = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
