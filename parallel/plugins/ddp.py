@@ -87,7 +87,7 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
     # --- save / load -------------------------------------------------------------------------
     def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
         path = Path(path)
-        rank, world = self._rank_world()
+        _, world = self._rank_world()
         if world == 1 and type(self).full_model_state is ReplicatedCheckpointIO.full_model_state:
             return super().save_checkpoint(path, meta, model, optimizer, lr_scheduler, extra, keep_last)
         model_state = self.full_model_state(model) if model is not None else None
@@ -97,22 +97,34 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
             dist.all_gather_object(rng_ranks, capture_rng_state(), group=self.group)
         else:
             rng_ranks = [capture_rng_state()]
+
+        def write() -> Path:
+            with atomic_directory(path) as tmp:
+                if model is not None:
+                    save_weights(model_state, tmp / "model.safetensors")
+                if optimizer is not None:
+                    save_state(optim_state, tmp / "optimizer")
+                if lr_scheduler is not None:
+                    save_state(lr_scheduler.state_dict(), tmp / "scheduler")
+                save_state({"trainer": dict(extra or {}), "rng": rng_ranks[0], "rng_ranks": rng_ranks},
+                           tmp / "extra")
+                write_manifest(tmp, meta, self.name)
+            if keep_last is not None:
+                prune_checkpoints(path.parent, keep_last, keep=path)
+            return path
+
+        return self._on_rank0(write, f"write checkpoint {path}", default=path)
+
+    def _on_rank0(self, fn: Any, what: str, default: Any) -> Any:
+        """Run `fn` on rank 0 only and tell every rank whether it worked, so a failure raises
+        everywhere instead of leaving the other ranks at a barrier. Returns fn's result on rank 0."""
+        rank, world = self._rank_world()
         error: list[str | None] = [None]
+        result = default
         if rank == 0:
             try:
-                with atomic_directory(path) as tmp:
-                    if model is not None:
-                        save_weights(model_state, tmp / "model.safetensors")
-                    if optimizer is not None:
-                        save_state(optim_state, tmp / "optimizer")
-                    if lr_scheduler is not None:
-                        save_state(lr_scheduler.state_dict(), tmp / "scheduler")
-                    save_state({"trainer": dict(extra or {}), "rng": rng_ranks[0], "rng_ranks": rng_ranks},
-                               tmp / "extra")
-                    write_manifest(tmp, meta, self.name)
-                if keep_last is not None:
-                    prune_checkpoints(path.parent, keep_last, keep=path)
-            except Exception as e:  # tell the other ranks instead of leaving them at a barrier
+                result = fn()
+            except Exception as e:
                 error[0] = f"{type(e).__name__}: {e}"
                 if world > 1:
                     dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
@@ -120,8 +132,8 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         if world > 1:
             dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
         if error[0] is not None:
-            raise RuntimeError(f"rank 0 failed to write checkpoint {path}: {error[0]}")
-        return path
+            raise RuntimeError(f"rank 0 failed to {what}: {error[0]}")
+        return result
 
     def load_checkpoint(self, path, model=None, optimizer=None, lr_scheduler=None, strict=True, restore_rng=True):
         path = Path(path)
@@ -147,23 +159,9 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
     def export(self, model, out_dir, config):
         from ..export import export_model
 
-        rank, world = self._rank_world()
         state = self.full_model_state(model)  # collective
-        error: list[str | None] = [None]
-        out = Path(out_dir)
-        if rank == 0:
-            try:
-                out = export_model(_StateHolder(state), out_dir, config)
-            except Exception as e:
-                error[0] = f"{type(e).__name__}: {e}"
-                if world > 1:
-                    dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
-                raise
-        if world > 1:
-            dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
-        if error[0] is not None:
-            raise RuntimeError(f"rank 0 failed to export {out_dir}: {error[0]}")
-        return out
+        return self._on_rank0(lambda: export_model(_StateHolder(state), out_dir, config), f"export {out_dir}",
+                              default=Path(out_dir))
 
 
 class _StateHolder(nn.Module):
