@@ -113,53 +113,34 @@ class CatBoostWrapper(BaseEstimator):
         return np.asarray(self.model_.predict(self._frame(X))).reshape(-1)
 
 
-def _classifiers(n_jobs: int) -> dict[str, Factory]:
-    from sklearn.ensemble import ExtraTreesClassifier, HistGradientBoostingClassifier, RandomForestClassifier
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.neighbors import KNeighborsClassifier
+def _supervised(task: str, n_jobs: int) -> dict[str, Factory]:
+    """Classification or regression baselines: the same eight families, library defaults."""
+    from sklearn import ensemble, linear_model, neighbors
 
+    cls = task == "classification"
+    suffix = "Classifier" if cls else "Regressor"
+    linear = ("logreg", linear_model.LogisticRegression) if cls else ("ridge", linear_model.Ridge)
+    forest, extra = getattr(ensemble, f"RandomForest{suffix}"), getattr(ensemble, f"ExtraTrees{suffix}")
+    knn, hist = getattr(neighbors, f"KNeighbors{suffix}"), getattr(ensemble, f"HistGradientBoosting{suffix}")
     out: dict[str, Factory] = {
-        "logreg": lambda: numeric_pipeline(LogisticRegression()),
-        "knn": lambda: numeric_pipeline(KNeighborsClassifier(n_jobs=n_jobs)),
-        "random_forest": lambda: tree_pipeline(RandomForestClassifier(random_state=0, n_jobs=n_jobs)),
-        "extra_trees": lambda: tree_pipeline(ExtraTreesClassifier(random_state=0, n_jobs=n_jobs)),
-        "hist_gb": lambda: HistGradientBoostingClassifier(random_state=0),
+        linear[0]: lambda: numeric_pipeline(linear[1]()),
+        "knn": lambda: numeric_pipeline(knn(n_jobs=n_jobs)),
+        "random_forest": lambda: tree_pipeline(forest(random_state=0, n_jobs=n_jobs)),
+        "extra_trees": lambda: tree_pipeline(extra(random_state=0, n_jobs=n_jobs)),
+        "hist_gb": lambda: hist(random_state=0),
     }
     if _has("xgboost"):
         import xgboost
 
-        out["xgboost"] = lambda: xgboost.XGBClassifier(enable_categorical=True, n_jobs=n_jobs, random_state=0)
+        xgb = getattr(xgboost, f"XGB{suffix}")
+        out["xgboost"] = lambda: xgb(enable_categorical=True, n_jobs=n_jobs, random_state=0)
     if _has("lightgbm"):
         import lightgbm
 
-        out["lightgbm"] = lambda: lightgbm.LGBMClassifier(n_jobs=n_jobs, random_state=0, verbose=-1)
+        lgbm = getattr(lightgbm, f"LGBM{suffix}")
+        out["lightgbm"] = lambda: lgbm(n_jobs=n_jobs, random_state=0, verbose=-1)
     if _has("catboost"):
-        out["catboost"] = lambda: CatBoostWrapper("classifier", thread_count=n_jobs)
-    return out
-
-
-def _regressors(n_jobs: int) -> dict[str, Factory]:
-    from sklearn.ensemble import ExtraTreesRegressor, HistGradientBoostingRegressor, RandomForestRegressor
-    from sklearn.linear_model import Ridge
-    from sklearn.neighbors import KNeighborsRegressor
-
-    out: dict[str, Factory] = {
-        "ridge": lambda: numeric_pipeline(Ridge()),
-        "knn": lambda: numeric_pipeline(KNeighborsRegressor(n_jobs=n_jobs)),
-        "random_forest": lambda: tree_pipeline(RandomForestRegressor(random_state=0, n_jobs=n_jobs)),
-        "extra_trees": lambda: tree_pipeline(ExtraTreesRegressor(random_state=0, n_jobs=n_jobs)),
-        "hist_gb": lambda: HistGradientBoostingRegressor(random_state=0),
-    }
-    if _has("xgboost"):
-        import xgboost
-
-        out["xgboost"] = lambda: xgboost.XGBRegressor(enable_categorical=True, n_jobs=n_jobs, random_state=0)
-    if _has("lightgbm"):
-        import lightgbm
-
-        out["lightgbm"] = lambda: lightgbm.LGBMRegressor(n_jobs=n_jobs, random_state=0, verbose=-1)
-    if _has("catboost"):
-        out["catboost"] = lambda: CatBoostWrapper("regressor", thread_count=n_jobs)
+        out["catboost"] = lambda: CatBoostWrapper("classifier" if cls else "regressor", thread_count=n_jobs)
     return out
 
 
@@ -178,10 +159,8 @@ def baselines(task: str, n_jobs: int = 1, names=None, warn: bool = True) -> dict
     not installed is left out with a warning naming the package."""
     if task not in BASELINE_NAMES:
         raise ValueError(f"unknown task {task!r} (expected one of {', '.join(BASELINE_NAMES)})")
-    if task == "classification":
-        available = _classifiers(n_jobs)
-    elif task == "regression":
-        available = _regressors(n_jobs)
+    if task in ("classification", "regression"):
+        available = _supervised(task, n_jobs)
     elif task == "imputation":
         from eval.imputers import imputer_baselines
 

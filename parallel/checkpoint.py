@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .state_io import load_state, load_weights, save_state, save_weights
+from .state_io import load_state, load_weights, read_json, save_state, save_weights
 
 FORMAT = "tabfm-checkpoint"
 FORMAT_VERSION = 1
@@ -148,10 +148,7 @@ def read_manifest(ckpt: str | Path) -> dict[str, Any]:
     path = ckpt / MANIFEST
     if not path.is_file():
         raise ValueError(f"{ckpt} is not a complete checkpoint: missing {MANIFEST}")
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    doc = read_json(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} manifest")
     if doc.get("format_version") != FORMAT_VERSION:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .checkpoint import atomic_directory, unwrap_model
-from .state_io import load_weights, save_weights
+from .state_io import load_weights, read_json, save_weights
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -38,12 +38,7 @@ def load_exported(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[st
     """Read an exported bundle: (state_dict of CPU tensors, config dict). Safetensors only."""
     out = Path(out_dir)
     config_path = out / CONFIG
-    if not config_path.is_file():
-        raise ValueError(f"missing file {config_path}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path}: invalid JSON ({e})") from None
+    config = read_json(config_path)
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object")
     return load_weights(out / WEIGHTS), config

@@ -122,7 +122,7 @@ def save_state(obj: Any, stem: str | Path) -> list[Path]:
 def load_state(stem: str | Path) -> Any:
     """Read what `save_state` wrote, validating every tensor against the JSON record."""
     json_path, _ = _state_paths(stem)
-    doc = _read_json(json_path)
+    doc = read_json(json_path)
     if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
         raise ValueError(f"{json_path}: not a {STATE_FORMAT} file")
     if doc.get("version") != STATE_VERSION:
@@ -153,7 +153,8 @@ def _check_tensor(t: torch.Tensor, spec: dict, key: str, path: Path) -> None:
         raise ValueError(f"{path}: tensor {key!r} has shape {list(t.shape)}, expected {spec.get('shape')}")
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+    """A JSON file's content; ValueError naming the file when it is missing or not JSON."""
     if not path.is_file():
         raise ValueError(f"missing file {path}")
     try:
