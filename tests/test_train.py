@@ -79,6 +79,24 @@ def test_resume_refuses_a_different_run(tmp_path):
         pretrain(smoke(steps=2, eval_batches=0, seed=1), tmp_path, progress=False)
 
 
+def test_init_warm_starts_from_an_export_and_refuses_another_model(tmp_path):
+    first = pretrain(smoke(steps=3, eval_batches=0), tmp_path / "a", progress=False)
+    # zero steps of training after the warm start: the weights must be exactly the init's
+    cfg = smoke(steps=1, eval_batches=0, lr=1e-12, warmup_steps=0, init=str(first.export))
+    pretrain(cfg, tmp_path / "b", progress=False)
+    a, b = params(tmp_path / "a"), params(tmp_path / "b")
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    fresh = params_of(TabFM(ModelConfig.preset("tiny")))
+    assert any(not torch.allclose(a[k], fresh[k]) for k in a)  # the init really differs from a fresh model
+    with pytest.raises(ValueError, match="model config differs"):
+        pretrain(smoke(steps=1, eval_batches=0, model="small", init=str(first.export)), tmp_path / "c", progress=False)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
 def test_muon_optimizer_steps_all_parameters():
     model = TabFM(ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2))
     opt = build_optimizer(model, "muon", lr=1e-3)

@@ -12,7 +12,7 @@ PLUGINS = ("single",)
 _FIELDS = {
     "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "warmup_steps": int, "precision": str,
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
-    "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float,
+    "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
 }
 
 

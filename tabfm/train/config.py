@@ -22,6 +22,8 @@ class PretrainConfig:
     grad_accum     micro-batches per optimizer step
     eval_every     steps between evaluations (held-out synthetic tables + sklearn datasets)
     ckpt_every     steps between checkpoints; keep_last of them are kept
+    init           warm start: model weights from an export directory or shipped name (same model
+                   config); optimizer, schedule and stream start fresh. Ignored when the run resumes.
     """
 
     model: str = "tiny"
@@ -47,6 +49,7 @@ class PretrainConfig:
     ckpt_every: int = 100
     keep_last: int = 3
     device: str | None = None
+    init: str | None = None
 
     PRESETS = {
         # the shipped tabfm-tiny recipe: 31 min on 2 vCPU with --threads 1 (see BENCHMARKS.md)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from parallel import Booster, Plugin, SingleProcessPlugin
+from parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, load_exported
 from synth.dataset import SynthDataset, SynthLoader
 from synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
@@ -37,6 +37,19 @@ def _check_same_run(out: Path, cfg: PretrainConfig) -> None:
             )
 
 
+def warm_start(model: TabFM, init: str) -> None:
+    """Copy weights from an export (path or shipped name) into `model`; the model configs must agree."""
+    from tabfm.weights import resolve_model_path  # the estimator-side loader knows shipped names
+
+    path = resolve_model_path(init)
+    state, header = load_exported(path)
+    theirs = ModelConfig.from_dict(header["model"]).to_dict() if "model" in header else None
+    if theirs != model.config.to_dict():
+        diff = {k: (v, (theirs or {}).get(k)) for k, v in model.config.to_dict().items() if (theirs or {}).get(k) != v}
+        raise ValueError(f"--init {init}: its model config differs from this run's (field: (this run, init)): {diff}")
+    model.load_state_dict(state, strict=True)
+
+
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = None, progress: bool = True) -> TrainResult:
     """Pretrain (or resume, when out_dir holds checkpoints) and export to out_dir/export."""
     out = Path(out_dir)
@@ -49,6 +62,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     torch.manual_seed(cfg.seed)
     model_cfg = ModelConfig.preset(cfg.model)
     model = TabFM(model_cfg)
+    if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
+        warm_start(model, cfg.init)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     booster = Booster(plugin or SingleProcessPlugin(device=cfg.device), precision=cfg.precision)
