@@ -13,7 +13,13 @@ from .launch import DistInfo, destroy, launch, seed_for_rank
 from .mesh import MeshSpec, build_mesh, resolve_mesh_spec
 from .plan import ParallelPlan
 from .plugin import Plugin
-from .plugins import LowLevelZeroPlugin, ReplicatedCheckpointIO, SingleProcessPlugin, TorchDDPPlugin
+from .plugins import (
+    LowLevelZeroPlugin,
+    ReplicatedCheckpointIO,
+    SingleProcessPlugin,
+    TorchDDPPlugin,
+    TorchFSDPPlugin,
+)
 from .precision import DynamicLossScaler, MixedPrecision
 from .state_io import load_state, save_state
 from .wrappers import ModelWrapper, OptimizerWrapper
@@ -37,6 +43,6 @@ __all__ = [
     "load_exported",
     "load_state",
     "save_state",
-    "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin",
+    "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin", "TorchFSDPPlugin",
     "build_mesh", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
 ]

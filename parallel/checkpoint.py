@@ -283,6 +283,13 @@ class CheckpointIO(ABC):
         return export_model(model, out_dir, config)
 
 
+def sharded_reader(group: Any = None) -> CheckpointIO:
+    """The IO that reads "sharded" (DCP) checkpoints into any layout, this process included."""
+    from .sharded_checkpoint import ShardedCheckpointIO  # imports torch.distributed.checkpoint
+
+    return ShardedCheckpointIO(group)
+
+
 class GeneralCheckpointIO(CheckpointIO):
     """Full (unsharded) tensors written by this process: the single-process reference."""
 
@@ -306,6 +313,9 @@ class GeneralCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path, model=None, optimizer=None, lr_scheduler=None, strict=True, restore_rng=True):
         path = Path(path)
         manifest = read_manifest(path)
+        if manifest.get("checkpoint_io") == "sharded":  # written by a distributed run: DCP reshards it here
+            return sharded_reader().load_checkpoint(path, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                                    strict=strict, restore_rng=restore_rng)
         if manifest.get("checkpoint_io") != self.name:
             raise ValueError(f"{path} was written by checkpoint IO {manifest.get('checkpoint_io')!r}; "
                              f"{type(self).__name__} reads only {self.name!r} checkpoints")

@@ -2,7 +2,9 @@
 
 Parameters (master weights) always stay fp32; only the forward's compute runs in bf16/fp16.
 fp16 additionally needs loss scaling so small gradients do not flush to zero; the scaler
-lives inside the `OptimizerWrapper`, so the training loop never sees it.
+lives inside the `OptimizerWrapper`, so the training loop never sees it. Gradients may be
+DTensors (FSDP2 shards): the scaler unscales and checks each rank's local shard, and the
+plugin agrees the overflow flag across ranks (see `OptimizerWrapper`).
 """
 from __future__ import annotations
 
@@ -72,13 +74,20 @@ class MixedPrecision:
         )
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: the local shard of a DTensor (sharing its storage), else `t`."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 @dataclass
 class DynamicLossScaler:
     """Dynamic loss scaling (the torch.amp.GradScaler algorithm, made rank-agnostic).
 
-    Overflow is decided from the *global* gradient norm that the plugin computes (a
-    non-finite norm means some gradient overflowed), so sharded plugins get a decision
-    that all ranks agree on without a second collective.
+    `unscale_` reports whether *this rank's* gradients (local shards of DTensors) hold an
+    inf/NaN; the OptimizerWrapper then agrees that flag across ranks (the plugin's
+    all-reduce) and, when clipping, also treats a non-finite global norm as an overflow,
+    so every rank skips the same steps and keeps the same scale.
     """
 
     scale: float = 2.0**16
@@ -91,9 +100,20 @@ class DynamicLossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_(self, grads: list[torch.Tensor]) -> None:
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide `grads` (plain or DTensor) by the scale in place; return this rank's
+        found-inf flag: a one-element float32 tensor, 1.0 if any local element is inf/NaN."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            local = local_shard(g)
+            by_device.setdefault(local.device, []).append(local)
+        flags = []
+        for device, tensors in by_device.items():
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+            inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
+            flags.append(found.cpu())
+        return torch.stack(flags).amax(0) if flags else torch.zeros(1, dtype=torch.float32)
 
     def update(self, found_inf: bool) -> None:
         """Back off after an overflow; grow after `growth_interval` clean steps."""

@@ -15,6 +15,7 @@ from torch import nn
 from .precision import DynamicLossScaler, MixedPrecision
 
 GradNormFn = Callable[[list[torch.Tensor], float], torch.Tensor]
+FoundInfFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def plain_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -73,10 +74,15 @@ class ModelWrapper(nn.Module):
 class OptimizerWrapper:
     """The boosted optimizer: `backward`, `clip_grad_by_norm`, `step`, `zero_grad`, state dicts.
 
-    With fp16 it scales the loss in `backward`, unscales gradients before clipping or
-    stepping, and skips `step()` when the gradient norm is not finite
-    (`last_step_skipped` says so). `grad_norm_fn` comes from the plugin and must return the
-    norm over *all* ranks' shards, so clipping and overflow decisions agree everywhere.
+    With fp16 it scales the loss in `backward`, unscales gradients (plain or DTensor) once
+    before clipping or stepping, and skips `step()` when some gradient is inf/NaN
+    (`last_step_skipped` says so). Every rank must reach the same decision:
+
+    grad_norm_fn      from the plugin; returns the norm over *all* ranks' shards, so clipping
+                      agrees everywhere (a non-finite norm also counts as an overflow).
+    found_inf_fn      from sharded plugins; agrees this rank's found-inf flag across ranks
+                      (an all-reduce MAX), since each rank only sees its own gradient shards.
+                      None: the flag is local (right when gradients are replicated, as in DDP).
     """
 
     def __init__(
@@ -84,10 +90,12 @@ class OptimizerWrapper:
         optim: torch.optim.Optimizer,
         scaler: DynamicLossScaler | None = None,
         grad_norm_fn: GradNormFn = plain_grad_norm,
+        found_inf_fn: FoundInfFn | None = None,
     ) -> None:
         self.optim = optim
         self.scaler = scaler
         self.grad_norm_fn = grad_norm_fn
+        self.found_inf_fn = found_inf_fn
         self.last_step_skipped = False
         self._unscaled = False
         self._found_inf: bool | None = None
@@ -134,7 +142,7 @@ class OptimizerWrapper:
             self.optim.step(*args, **kwargs)
             return
         if self._found_inf is None:  # not yet decided by clip_grad_by_norm
-            self._unscale_and_norm(self._params_with_grad(), 2.0)
+            self._unscale_once(self._params_with_grad())
         found_inf = bool(self._found_inf)
         self.scaler.update(found_inf)
         self.last_step_skipped = found_inf
@@ -163,15 +171,23 @@ class OptimizerWrapper:
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
 
+    def _unscale_once(self, params: list[torch.Tensor]) -> None:
+        """fp16: unscale the gradients once per step and decide, on every rank alike, whether
+        some gradient overflowed."""
+        if self.scaler is None or self._unscaled:
+            return
+        found = self.scaler.unscale_([p.grad for p in params])
+        if self.found_inf_fn is not None:
+            found = self.found_inf_fn(found)
+        self._found_inf = bool(found.item() > 0)
+        self._unscaled = True
+
     def _unscale_and_norm(self, params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """Unscale once per step (fp16), then compute the global gradient norm."""
-        grads = [p.grad for p in params]
-        if self.scaler is not None and not self._unscaled:
-            self.scaler.unscale_(grads)
-            self._unscaled = True
-        norm = self.grad_norm_fn(grads, norm_type)
-        if self.scaler is not None:
-            self._found_inf = not bool(torch.isfinite(norm))
+        self._unscale_once(params)
+        norm = self.grad_norm_fn([p.grad for p in params], norm_type)
+        if self.scaler is not None:  # the norm is global, so this agrees across ranks too
+            self._found_inf = bool(self._found_inf) or not bool(torch.isfinite(norm))
         return norm
 
     def __repr__(self) -> str:

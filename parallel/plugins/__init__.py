@@ -1,6 +1,8 @@
 """Concrete plugins. Each one is a strategy; swapping plugins never changes the training loop."""
 from .ddp import ReplicatedCheckpointIO, TorchDDPPlugin
+from .fsdp import TorchFSDPPlugin
 from .single import SingleProcessPlugin
-from .zero import LowLevelZeroPlugin
+from .zero import FullyShardPlugin, LowLevelZeroPlugin
 
-__all__ = ["SingleProcessPlugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "ReplicatedCheckpointIO"]
+__all__ = ["SingleProcessPlugin", "TorchDDPPlugin", "LowLevelZeroPlugin", "TorchFSDPPlugin", "FullyShardPlugin",
+           "ReplicatedCheckpointIO"]

@@ -4,8 +4,10 @@ Gradients are averaged by DDP's bucketed allreduce during backward, so every ran
 same averaged gradients: the plain global norm on each rank is the true norm, and clipping
 needs no extra communication. `no_sync` is DDP's own (really skips the allreduce).
 
-Checkpoints use the GeneralCheckpointIO format (one full copy): rank 0 writes, the other ranks
-wait for it and learn whether it succeeded; every rank loads the full state.
+Checkpoints are sharded (`ShardedCheckpointIO`, torch.distributed.checkpoint into safetensors
+shards): every rank writes its part and its own trainer/RNG state, and any layout loads them.
+`ReplicatedCheckpointIO` is kept to read "general" (full-copy, single-process) checkpoints
+into a replicated run: rank 0's gathered copy, loaded by every rank.
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ from ..checkpoint import (
     prune_checkpoints,
     read_manifest,
     restore_rng_state,
+    sharded_reader,
     unwrap_model,
     write_manifest,
 )
 from ..plugin import Plugin
+from ..sharded_checkpoint import ShardedCheckpointIO
 from ..precision import MixedPrecision
 from ..state_io import load_state, save_state, save_weights
 from ..wrappers import ModelWrapper, OptimizerWrapper
@@ -139,6 +143,10 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
         path = Path(path)
         rank, world = self._rank_world()
         manifest = read_manifest(path)
+        if manifest.get("checkpoint_io") == "sharded":
+            return sharded_reader(self.group).load_checkpoint(path, model=model, optimizer=optimizer,
+                                                              lr_scheduler=lr_scheduler, strict=strict,
+                                                              restore_rng=restore_rng)
         if manifest.get("checkpoint_io") != self.name:
             raise ValueError(f"{path} was written by checkpoint IO {manifest.get('checkpoint_io')!r}; "
                              f"{type(self).__name__} reads only {self.name!r} checkpoints")
@@ -188,6 +196,7 @@ class TorchDDPPlugin(Plugin):
 
     name = "ddp"
     supports_no_sync = True
+    supports_sharded_checkpoint = True
 
     def __init__(self, precision: "str | MixedPrecision | None" = None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True, static_graph: bool = False,
@@ -206,7 +215,7 @@ class TorchDDPPlugin(Plugin):
             device = current().device
         self._device = torch.device(device)
         self._ddp: DDP | None = None
-        self._checkpoint_io = ReplicatedCheckpointIO(process_group)
+        self._checkpoint_io = ShardedCheckpointIO(process_group, fallback=ReplicatedCheckpointIO(process_group))
 
     # --- topology --------------------------------------------------------------------------
     @property

@@ -6,16 +6,23 @@ stage 2   FSDP2 `fully_shard(reshard_after_forward=False)`: gradients are reduce
           (each rank keeps its gradient and optimizer-state shard); parameters stay gathered
           between forward and backward, so there is one all-gather per step, as in ZeRO-2.
 
-Checkpoints keep the GeneralCheckpointIO format (full tensors, index-keyed optimizer state):
-rank 0 writes the gathered state, every rank loads the full state and keeps its shard — so a
-checkpoint reshards to any world size and loads into a single process.
+`FullyShardPlugin` holds what every plugin built on FSDP2 shares (ZeRO-2 here, ZeRO-3 in
+`fsdp.py`): sharding the model and rebuilding the optimizer around the DTensor parameters,
+`no_sync` through `set_requires_gradient_sync`, the global norm of DTensor gradients, and
+fp16 overflow flags agreed across ranks.
+
+Checkpoints are sharded (`ShardedCheckpointIO`): each rank writes its own shards through
+torch.distributed.checkpoint, and a checkpoint reshards on load to any plugin and world size,
+a single process included. "General" (full-tensor) checkpoints load too: at stage 1 through
+`ReplicatedCheckpointIO`, at stage 2 / FSDP through `FullStateFSDPCheckpointIO`, which
+scatters the full state into the shards.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +34,7 @@ from ..checkpoint import unwrap_model
 from ..precision import MixedPrecision
 from ..state_io import load_weights
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
+from ..sharded_checkpoint import ShardedCheckpointIO
 from .ddp import ReplicatedCheckpointIO, TorchDDPPlugin
 
 
@@ -35,11 +43,31 @@ def _optimizer_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
 
 
+def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
+    if any(optimizer.state.values()):
+        raise ValueError("sharding plugins need a fresh optimizer (no state yet): they rebuild it around the "
+                         "shards; load optimizer state through booster.load_checkpoint")
+
+
+def _rebind_scheduler(lr_scheduler: Any, old: torch.optim.Optimizer, new: Any) -> None:
+    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is old:
+        lr_scheduler.optimizer = new  # the scheduler now drives the rebuilt optimizer's param groups
+
+
+def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Global gradient norm when gradients may be DTensor shards: the per-shard norms are
+    reduced over the shards' mesh (`full_tensor`); plain gradients give the plain norm."""
+    norm = plain_grad_norm(grads, norm_type)
+    full = getattr(norm, "full_tensor", None)
+    return full() if callable(full) else norm
+
+
 class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
     """Gathers FSDP2 (DTensor) model and optimizer state to full tensors on rank 0, and loads
-    full state back into the shards, in the GeneralCheckpointIO format."""
+    full state back into the shards, in the GeneralCheckpointIO format (so a checkpoint loads
+    into one process, DDP, or FSDP at any world size)."""
 
-    def __init__(self, plugin: "LowLevelZeroPlugin") -> None:
+    def __init__(self, plugin: "FullyShardPlugin") -> None:
         super().__init__(plugin.process_group)
         self._plugin = plugin
 
@@ -59,7 +87,7 @@ class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if model is None:
-            raise ValueError("saving a stage-2 optimizer needs model= as well (its state is keyed by parameter)")
+            raise ValueError("saving a sharded (FSDP2) optimizer needs model= as well (its state is keyed by parameter)")
         state = get_optimizer_state_dict(unwrap_model(model), optimizer.unwrap(),
                                          options=self._options(cpu_offload=True))
         if self._rank_world()[0] != 0:
@@ -87,7 +115,7 @@ class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         if model is None:
-            raise ValueError("loading a stage-2 optimizer needs model= as well (its state is keyed by parameter)")
+            raise ValueError("loading a sharded (FSDP2) optimizer needs model= as well (its state is keyed by parameter)")
         names = self._plugin._param_names
         state = dict(state)
         state.pop("loss_scaler", None)
@@ -97,10 +125,111 @@ class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
         set_optimizer_state_dict(unwrap_model(model), optimizer.unwrap(), by_name, options=self._options())
 
 
-class LowLevelZeroPlugin(TorchDDPPlugin):
+class FullyShardPlugin(TorchDDPPlugin):
+    """Base of the plugins that shard with FSDP2 `fully_shard` (ZeRO-2, FSDP/ZeRO-3).
+
+    Takes TorchDDPPlugin's keyword arguments (the DDP-only ones are unused when sharding).
+    Subclasses call `_shard` from `configure`; the rest (no_sync, grad norm, fp16 overflow
+    agreement, full-state checkpoints) is shared here.
+    """
+
+    def __init__(self, precision: "str | MixedPrecision | None" = None, **ddp_kwargs: Any) -> None:
+        super().__init__(precision=precision, **ddp_kwargs)
+        self._param_names: list[str] = []  # the rebuilt optimizer's parameters, in order (checkpoint keys)
+        self._fsdp_module: nn.Module | None = None
+        self.fsdp_units: list[str] = []  # names of the modules given to fully_shard ("" = the root)
+        self._checkpoint_io = ShardedCheckpointIO(fallback=FullStateFSDPCheckpointIO(self))
+
+    def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+               blocks: Sequence[str] = (), **fully_shard_kwargs: Any) -> tuple[ModelWrapper, OptimizerWrapper | None]:
+        """`fully_shard` each module named in `blocks` (innermost first), then the root, and
+        rebuild `optimizer` (same type, hyperparameters and groups) on the sharded parameters."""
+        from torch.distributed.fsdp import fully_shard
+
+        if self.process_group is not None:
+            raise NotImplementedError(f"{type(self).__name__} runs over the default process group only")
+        model.to(self.device)
+        group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
+        units = _resolve_blocks(model, blocks)
+        # like DDP: rank 0's parameters and buffers are the model (fully_shard keeps each rank's own)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        for _, module in units:
+            fully_shard(module, **fully_shard_kwargs)
+        fully_shard(model, **fully_shard_kwargs)
+        self._fsdp_module = model
+        self.fsdp_units = [name for name, _ in units] + [""]
+        wrapped = None
+        if optimizer is not None:
+            params = dict(model.named_parameters())
+            self._param_names = [n for names in group_names for n in names]
+            new_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in names]}
+                          for g, names in zip(optimizer.param_groups, group_names)]
+            sharded = type(optimizer)(new_groups, **_optimizer_kwargs(optimizer))
+            _rebind_scheduler(lr_scheduler, optimizer, sharded)
+            wrapped = self.wrap_optimizer(sharded)
+        return self.wrap_model(model), wrapped
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerWrapper:
+        return OptimizerWrapper(optimizer, scaler=self.precision.make_scaler(), grad_norm_fn=self.grad_norm,
+                                found_inf_fn=self._found_inf_anywhere)
+
+    def _found_inf_anywhere(self, found: torch.Tensor) -> torch.Tensor:
+        """All-reduce (MAX) this rank's fp16 overflow flag: each rank sees only its own gradient
+        shards, and all ranks must skip the same steps."""
+        flag = found.to(self.device, torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return flag
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
+        """Backward passes inside accumulate unsharded gradients without the reduce-scatter;
+        the first backward outside reduces the accumulated sum."""
+        module = unwrap_model(model) if model is not None else self._fsdp_module
+        if module is None or not hasattr(module, "set_requires_gradient_sync"):
+            raise RuntimeError("no_sync() before boost(): there is no FSDP module yet")
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    def grad_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        return sharded_grad_norm(grads, norm_type)
+
+
+def _param_names_by_group(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The model's parameter names in each optimizer param group (the optimizer must be fresh)."""
+    _check_fresh(optimizer)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    try:
+        return [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    except KeyError:
+        raise ValueError("the optimizer holds parameters that are not the model's") from None
+
+
+def _resolve_blocks(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) for each block name, innermost first (fully_shard wraps children before parents)."""
+    units = []
+    for name in blocks:
+        if not name:
+            raise ValueError("blocks: the root module is always sharded; list only submodules")
+        try:
+            units.append((name, model.get_submodule(name)))
+        except AttributeError:
+            raise ValueError(f"blocks: the model has no submodule {name!r}") from None
+    if len({id(m) for _, m in units}) != len(units):
+        raise ValueError(f"blocks name the same module twice: {list(blocks)}")
+    return sorted(units, key=lambda u: -u[0].count("."))
+
+
+class LowLevelZeroPlugin(FullyShardPlugin):
     """ZeRO stage 1 (DDP + ZeroRedundancyOptimizer) or stage 2 (FSDP2, parameters kept
     gathered between forward and backward). Takes TorchDDPPlugin's keyword arguments (stage 1
-    uses them all; stage 2 ignores the DDP-only ones)."""
+    uses them all; stage 2 ignores the DDP-only ones). fp16 loss scaling works at both stages.
+    Stage 1 keeps DDP's no_sync and the replicated checkpoint IO; the shared grad norm and
+    overflow agreement are exact (if redundant) on its replicated gradients."""
 
     name = "zero"
 
@@ -108,13 +237,10 @@ class LowLevelZeroPlugin(TorchDDPPlugin):
         if stage not in (1, 2):
             raise ValueError(f"LowLevelZeroPlugin stage must be 1 or 2, got {stage} (stage 3 is the FSDP plugin)")
         self.stage = stage
-        if stage == 2:  # no fp16 loss scaling over DTensor gradients yet
-            self.supported_precisions = ("fp32", "bf16")
         super().__init__(precision=precision, **ddp_kwargs)
-        self._param_names: list[str] = []
-        self._fsdp_module: nn.Module | None = None
-        if stage == 2:
-            self._checkpoint_io = FullStateFSDPCheckpointIO(self)
+        if stage == 1:
+            self._checkpoint_io = ShardedCheckpointIO(self.process_group,
+                                                      fallback=ReplicatedCheckpointIO(self.process_group))
 
     def configure(
         self,
@@ -125,28 +251,18 @@ class LowLevelZeroPlugin(TorchDDPPlugin):
         lr_scheduler: Any | None = None,
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
         if self.stage == 2:
-            return self._configure_fsdp(model, optimizer, criterion, dataloader, lr_scheduler)
+            wrapped_model, wrapped = self._shard(model, optimizer, lr_scheduler, reshard_after_forward=False)
+            return wrapped_model, wrapped, criterion, dataloader, lr_scheduler
         self._ddp = self._wrap_ddp(model)
         wrapped = None
         if optimizer is not None:
-            self._check_fresh(optimizer)
+            _check_fresh(optimizer)
             zero = self._to_zero(optimizer)
-            self._rebind_scheduler(lr_scheduler, optimizer, zero)
+            _rebind_scheduler(lr_scheduler, optimizer, zero)
             wrapped = self.wrap_optimizer(zero)
         return self.wrap_model(model, self._ddp), wrapped, criterion, dataloader, lr_scheduler
 
     # --- stage 1 ---------------------------------------------------------------------------
-    @staticmethod
-    def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
-        if any(optimizer.state.values()):
-            raise ValueError("LowLevelZeroPlugin needs a fresh optimizer (no state yet): it rebuilds it around "
-                             "the shards; load optimizer state through booster.load_checkpoint")
-
-    @staticmethod
-    def _rebind_scheduler(lr_scheduler: Any, old: torch.optim.Optimizer, new: Any) -> None:
-        if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is old:
-            lr_scheduler.optimizer = new  # the scheduler now drives the rebuilt optimizer's param groups
-
     def _to_zero(self, optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             return optimizer
@@ -164,55 +280,7 @@ class LowLevelZeroPlugin(TorchDDPPlugin):
         zero._sync_param_groups(zero.param_groups, zero.optim.param_groups)
         return zero
 
-    # --- stage 2 ---------------------------------------------------------------------------
-    def _configure_fsdp(self, model, optimizer, criterion, dataloader, lr_scheduler):
-        from torch.distributed.fsdp import fully_shard
-
-        if self.process_group is not None:
-            raise NotImplementedError("LowLevelZeroPlugin(stage=2) runs over the default process group only")
-        model.to(self.device)
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        group_names = []
-        if optimizer is not None:
-            self._check_fresh(optimizer)
-            for g in optimizer.param_groups:
-                try:
-                    group_names.append([name_of[id(p)] for p in g["params"]])
-                except KeyError:
-                    raise ValueError("the optimizer holds parameters that are not the model's") from None
-        # like DDP: rank 0's parameters and buffers are the model (fully_shard keeps each rank's own)
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
-        fully_shard(model, reshard_after_forward=False)
-        self._fsdp_module = model
-        wrapped = None
-        if optimizer is not None:
-            params = dict(model.named_parameters())
-            self._param_names = [n for names in group_names for n in names]
-            new_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in names]}
-                          for g, names in zip(optimizer.param_groups, group_names)]
-            sharded = type(optimizer)(new_groups, **_optimizer_kwargs(optimizer))
-            self._rebind_scheduler(lr_scheduler, optimizer, sharded)
-            wrapped = self.wrap_optimizer(sharded)
-        return self.wrap_model(model), wrapped, criterion, dataloader, lr_scheduler
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
-        if self.stage == 1:
-            with super().no_sync(model, optimizer):
-                yield
-            return
-        module = unwrap_model(model) if model is not None else self._fsdp_module
-        if module is None or not hasattr(module, "set_requires_gradient_sync"):
-            raise RuntimeError("no_sync() before boost(): there is no FSDP module yet")
-        module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            module.set_requires_gradient_sync(True)
-
-    def grad_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        norm = plain_grad_norm(grads, norm_type)
-        full = getattr(norm, "full_tensor", None)  # DTensor grads -> norm reduced over the shards
-        return full() if callable(full) else norm
+    def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> ContextManager[None]:
+        if self.stage == 1:  # DDP's own no_sync
+            return TorchDDPPlugin.no_sync(self, model, optimizer)
+        return super().no_sync(model, optimizer)
