@@ -196,7 +196,7 @@ def test_class_permutation_is_undone(export_dir):
     """One member, a non-identity class permutation: P(class c) = the model's P(code perm[c])."""
     X, y = frame(), labels()
     for seed in range(20):
-        clf = make(TabFMClassifier, export_dir, n_estimators=1, random_state=seed).fit(X, y)
+        clf = make(TabFMClassifier, export_dir, n_estimators=1, random_state=seed, categorical="identity").fit(X, y)
         (m,) = clf._members(cover_all=False, n_classes=3)
         if (m.class_perm != np.arange(3)).any():
             break
@@ -237,6 +237,30 @@ def test_permutations_undone_with_stub_model():
     expected = imp.schema_["b"].categories[int(np.flatnonzero(m.code_perms[j] == 0)[0])]
     out = imp.transform(Xm)
     assert (out.loc[[1, 4], "b"] == expected).all()
+
+
+@pytest.mark.parametrize("mode", ["ordinal", "identity"])
+def test_categorical_features_reach_the_model_as_the_mode_says(mode):
+    """ordinal: a categorical feature arrives as a numeric column holding the member's relabelled
+    codes; identity: as a categorical column. The target stays categorical either way."""
+    from data.batch import CATEGORICAL, NUMERIC
+
+    X, y = frame(), labels()
+    stub = StubModel()
+    clf = TabFMClassifier(model=stub, n_estimators=1, random_state=3, categorical=mode).fit(X, y)
+    (m,) = clf._members(cover_all=False, n_classes=3)
+    clf.predict_proba(X)
+    batch = stub.batches[-1]
+    j = clf.schema_.encoded_indices("b")[0]
+    pos = int(np.flatnonzero(m.column_groups[0] == j)[0])  # where column b sits in the member's view
+    codes = clf.train_x_[:, j].astype(int)
+    shown = batch.x[0, : len(codes), pos].numpy()
+    np.testing.assert_array_equal(shown, m.code_perms[j][codes])  # relabelled codes in both modes
+    assert int(batch.kind[0, pos]) == (NUMERIC if mode == "ordinal" else CATEGORICAL)
+    assert int(batch.cardinality[0, pos]) == (0 if mode == "ordinal" else 3)
+    assert int(batch.kind[0, -1]) == CATEGORICAL and int(batch.cardinality[0, -1]) == 3  # the target
+    with pytest.raises(ValueError, match="categorical must be one of"):
+        TabFMClassifier(model=stub, categorical="onehot").fit(X, y).predict(X)
 
 
 def test_chunked_prediction_equals_one_shot(export_dir):

@@ -20,6 +20,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch import nn
 
+from data.batch import CATEGORICAL, NUMERIC
 from data.encode import TableSchema, encode_frame
 from tabfm.inference import CellFn, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
@@ -31,6 +32,7 @@ DEFAULT_MAX_CONTEXT_ROWS = 2048
 DEFAULT_MAX_COLUMNS = 100
 DEFAULT_CHUNK_SIZE = 1024
 PRECISIONS = ("auto", "fp32", "bf16")
+CATEGORICAL_MODES = ("ordinal", "identity")
 
 
 @dataclass
@@ -97,6 +99,8 @@ class TabFMEstimator(BaseEstimator):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if getattr(self, "categorical", CATEGORICAL_MODES[0]) not in CATEGORICAL_MODES:
+            raise ValueError(f"categorical must be one of {CATEGORICAL_MODES}, got {self.categorical!r}")
 
     def _runtime(self) -> Runtime:
         """Load (or reuse) the model on the configured device."""
@@ -214,13 +218,38 @@ class TabFMEstimator(BaseEstimator):
                             chunk_size=self.chunk_size, device=rt.device, autocast_dtype=rt.autocast,
                             id_seed=rt.id_seed)
 
+
+class SupervisedTabFMEstimator(TabFMEstimator):
+    """Base of the estimators that predict a separate target (classifier, regressor).
+
+    categorical  how categorical features reach the model: "ordinal" (default) shows each
+                 member's randomly relabelled codes as numbers, so every member sees the
+                 categories in its own random order (as TabPFN does); "identity" feeds them as
+                 categorical cells with random code identities. With the shipped weights ordinal
+                 is far stronger on categorical tables (README, BENCHMARKS.md). The target itself
+                 is always categorical (classification) or numeric (regression).
+    Other parameters: see TabFMEstimator.
+    """
+
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
+                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
+                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 categorical: str = "ordinal") -> None:
+        super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
+                         precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
+                         chunk_size=chunk_size)
+        self.categorical = categorical
+
     def _supervised_view(self, member: Member, x_query: np.ndarray, strata: np.ndarray | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """A member's (context rows, context features, query features, kind, cardinality) for a separate target."""
         rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows, strata)
         cols = member.column_groups[0]
-        return (rows, member.view(self.train_x_[rows], cols), member.view(x_query, cols),
-                self._kind[cols], self._card[cols])
+        kind, card = self._kind[cols], self._card[cols]
+        if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
+            kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
+        return rows, member.view(self.train_x_[rows], cols), member.view(x_query, cols), kind, card
 
     def _predict_target(self, rt: Runtime, context_x: np.ndarray, context_y: np.ndarray, query_x: np.ndarray,
                         kind: np.ndarray, cardinality: np.ndarray, n_classes: int | None, fn: CellFn) -> np.ndarray:

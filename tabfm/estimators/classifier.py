@@ -22,7 +22,7 @@ from sklearn.utils.validation import check_is_fitted
 from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities
 
-from .base import Runtime, TabFMEstimator
+from .base import Runtime, SupervisedTabFMEstimator
 
 
 def _probs_fn(n_classes: int):
@@ -31,7 +31,7 @@ def _probs_fn(n_classes: int):
     return fn
 
 
-class TabFMClassifier(ClassifierMixin, TabFMEstimator):
+class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     """sklearn classifier: the training rows are the context, no weight is updated.
 
     fit(X, y) stores the encoded table; predict_proba(X) averages the members' probabilities

@@ -17,13 +17,13 @@ from sklearn.base import RegressorMixin
 from tabfm.model import ModelOutput
 from tabfm.model.predict import numeric_mean, numeric_quantiles
 
-from .base import TabFMEstimator
+from .base import SupervisedTabFMEstimator
 
 OUTPUTS = ("mean", "median")
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-class TabFMRegressor(RegressorMixin, TabFMEstimator):
+class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
     """sklearn regressor: the training rows are the context, no weight is updated.
 
     predict(X, output="mean" | "median"); predict_quantiles(X, [0.1, 0.9]) -> (n_rows, n_levels).
