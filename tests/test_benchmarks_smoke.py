@@ -94,3 +94,70 @@ def test_quick_run_writes_table_and_json(ms, tmp_path, capsys):
                         tabfm_fp32["cells_per_s_cpu"] / rows[("tabpfn", "fp32")]["cells_per_s_cpu"])
     assert set(data["peak_gflops"]) == {"fp32", "bf16"}
     assert result["goals"] and all(g["preset"] == "tiny" for g in data["goals"])
+
+
+# ------------------------------------------------- engine benchmarks (multi-process, --quick)
+def _run_benchmark(name: str, args: list[str], tmp_path: Path, timeout_s: float) -> tuple[dict, str]:
+    """Run benchmarks/<name>.py --quick as its own process (it spawns its ranks); return its JSON and stdout."""
+    import subprocess
+
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", *args, "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_engine_memory_quick(tmp_path):
+    data, printed = _run_benchmark("engine_memory", ["--world-sizes", "2"], tmp_path, 400)
+    assert "| plugin | ranks |" in printed and "optim/ddp" in printed
+    assert data["benchmark"] == "engine_memory" and data["world_sizes"] == [2]
+    expected = {"ddp", "zero1", "zero2", "fsdp"} - set(data["skipped"])
+    assert {"ddp", "zero1", "zero2"} <= expected
+    rows = {r["plugin"]: r for r in data["rows"]}
+    assert set(rows) == expected and all(r["world_size"] == 2 for r in rows.values())
+    for r in rows.values():
+        assert len(r["per_rank"]) == 2 and [p["rank"] for p in r["per_rank"]] == [0, 1]
+        for key in ("param_bytes", "grad_bytes", "optim_bytes", "param_bytes_in_step", "peak_rss_bytes"):
+            assert r[key] > 0 and r[key] == max(p[key] for p in r["per_rank"])
+        assert r["param_bytes_in_step"] >= r["param_bytes"]
+        assert r["ideal_share"] == 0.5
+    ddp, z1, z2 = rows["ddp"], rows["zero1"], rows["zero2"]
+    assert ddp["params_vs_ddp"] == ddp["grads_vs_ddp"] == ddp["optim_vs_ddp"] == 1.0
+    # ZeRO-1 shards only the optimizer state; ZeRO-2 also the gradients (and keeps the whole model
+    # gathered through the step); FSDP shards all three
+    assert z1["optim_bytes"] < ddp["optim_bytes"] and z1["optim_vs_ddp"] <= 0.75
+    assert z1["param_bytes"] == ddp["param_bytes"] and z1["grad_bytes"] == ddp["grad_bytes"]
+    assert z2["grad_bytes"] < ddp["grad_bytes"] and z2["optim_bytes"] < ddp["optim_bytes"]
+    assert z2["param_bytes_in_step"] >= ddp["param_bytes"]
+    if "fsdp" in rows:
+        f = rows["fsdp"]
+        assert f["param_bytes"] < ddp["param_bytes"] and f["grad_bytes"] < ddp["grad_bytes"]
+        assert f["optim_bytes"] < ddp["optim_bytes"]
+        assert f["params_vs_ddp"] <= 0.75 and f["grads_vs_ddp"] <= 0.75 and f["optim_vs_ddp"] <= 0.75
+
+
+@pytest.mark.slow
+def test_engine_overhead_quick(tmp_path):
+    data, printed = _run_benchmark("engine_overhead", ["--deepspeed", "off"], tmp_path, 400)
+    assert "booster/raw" in printed
+    assert data["benchmark"] == "engine_overhead" and data["settings"]["ranks"] == 2
+    assert data["peers"] == [] and "deepspeed" in data["skipped"]
+    rows = {r["plugin"]: r for r in data["rows"]}
+    assert {"ddp", "zero1", "zero2"} <= set(rows) == set(data["plugins"])
+    reps = data["settings"]["reps"]
+    for name, r in rows.items():
+        for key in ("booster_ms", "raw_ms", "booster_over_raw", "booster_over_raw_cpu", "booster_vs_raw_ddp"):
+            assert math.isfinite(r[key]) and r[key] > 0
+        q1, q3 = r["booster_over_raw_per_round_iqr"]
+        assert q1 <= r["booster_over_raw_per_round_median"] <= q3
+        assert math.isclose(r["booster_over_raw"], r["booster_ms"] / r["raw_ms"])
+        # the booster wraps the same sharding and the same math as the hand-wrapped model
+        assert r["booster_optim_bytes"] == r["raw_optim_bytes"] > 0
+        assert math.isclose(r["loss_booster"], r["loss_raw"], rel_tol=1e-4)
+        for rank in data["per_rank"]:
+            assert len(rank["variants"][f"booster_{name}"]["wall_s"]) == reps
+    assert rows["ddp"]["raw_vs_raw_ddp"] == 1.0 and rows["ddp"]["optim_vs_ddp"] == 1.0
+    for name in set(rows) - {"ddp"}:  # every sharded plugin keeps less optimizer state per rank than DDP
+        assert rows[name]["booster_optim_bytes"] < rows["ddp"]["booster_optim_bytes"]
