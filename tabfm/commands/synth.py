@@ -1,13 +1,24 @@
-"""`tabfm synth`: generate a stretch of the synthetic training stream and summarise it.
+"""`tabfm synth`: summarise a stretch of the synthetic stream, or write a synthetic corpus to a store.
 
-A first look at what the model trains on: sizes and shape buckets, the episode
-mix, classes, missing and categorical rates, and how fast the prior runs.
+Without --out: a first look at what the model trains on (sizes and shape buckets, the episode
+mix, classes, missing and categorical rates, and how fast the prior runs).
+
+With --out DIR --tables N: a pre-generated corpus of N raw tables (DataFrames with datetimes,
+text, strings, booleans; synth.raw) written to the table store DIR (data.store), one
+`synth-00000000.parquet` ... per table with a header naming its target and task. Table i is
+table 0 of stream position i in raw mode (`SynthStream(cfg, seed).frames_at(i)[0][0]`), a pure
+function of (config, seed, i), so the corpus does not depend on --workers. Reruns resume: a table
+whose file is complete (written atomically, header readable, same seed and config) is skipped,
+temporaries of a killed run are removed; a store written with another seed or config is refused.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import math
+import multiprocessing
 import sys
 import time
 from collections import Counter
@@ -17,16 +28,20 @@ from typing import Any
 import numpy as np
 
 DEFAULT_BATCHES = 24
+CORPUS_SOURCE = "tabfm synth"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "synth",
-        help="generate and summarise the synthetic-table stream",
-        description="Generate batches of the seeded synthetic-table stream and print a summary.",
+        help="generate and summarise the synthetic-table stream, or write a synthetic corpus",
+        description="Generate batches of the seeded synthetic-table stream and print a summary; with "
+                    "--out DIR --tables N, write N raw synthetic tables to the table store DIR (resumable).",
     )
     p.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
-    p.add_argument("--batches", type=int, default=DEFAULT_BATCHES, help=f"batches to generate (default {DEFAULT_BATCHES})")
+    p.add_argument("--batches", type=int, default=None, help=f"batches to generate (default {DEFAULT_BATCHES})")
+    p.add_argument("--out", metavar="DIR", help="write a corpus of raw tables to this table store (with --tables)")
+    p.add_argument("--tables", type=int, help="tables in the corpus written to --out (resumes what is there)")
     p.add_argument("--preset", default="default", help="StreamConfig preset: default, small, tiny, large")
     p.add_argument("--rows", metavar="MIN:MAX", help="rows per table (overrides the preset)")
     p.add_argument("--cols", metavar="MIN:MAX", help="columns per table, target included (overrides the preset)")
@@ -35,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--mix", metavar="C,R,I", help="episode mix: classification,regression,imputation weights")
     p.add_argument("--rank", type=int, default=0, help="data-parallel rank to generate for (default 0)")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel world size (default 1)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0: main process)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="worker processes: DataLoader workers, or corpus writers with --out (default 0: main process)")
     p.add_argument("--raw", action="store_true", help="generate raw pandas DataFrames (dates, text, ...) instead of tensors")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -211,14 +227,22 @@ def _dtype_name(dtype) -> str:
 
 # --------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
+    if args.out is not None or args.tables is not None:
+        return run_corpus(args)
+    return run_summary(args)
+
+
+def run_summary(args: argparse.Namespace) -> int:
+    """Generate --batches batches of the stream and print (and optionally save) the summary."""
     from tqdm import tqdm
 
     from synth.dataset import SynthDataset, SynthLoader
 
+    args.batches = DEFAULT_BATCHES if args.batches is None else args.batches
     if args.batches < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches}")
-    if args.workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {args.workers}")
     cfg = build_config(args)
     mode = "frames" if args.raw else "episode"
     ds = SynthDataset(cfg, seed=args.seed, rank=args.rank, world_size=args.world_size, num_batches=args.batches, mode=mode)
@@ -242,3 +266,155 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
         print(f"\nwrote {path}")
     return 0
+
+
+# ------------------------------------------------------------------ corpus (--out)
+def table_name(index: int) -> str:
+    """Store name of corpus table `index` (zero-padded so names sort by index)."""
+    return f"synth-{index:08d}"
+
+
+def config_fingerprint(cfg: Any) -> str:
+    """A short hash of the whole StreamConfig (prior included): a resumed corpus must match it."""
+    text = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def corpus_table(cfg: Any, seed: int, index: int) -> tuple[Any, str | None, str, int]:
+    """Corpus table `index`: (frame, target, task, n_classes), a pure function of (cfg, seed, index).
+
+    It is table 0 of stream position `index` rendered as a raw DataFrame, i.e.
+    `SynthStream(cfg, seed).frames_at(index)[0][0]`, without generating the rest of that batch.
+    Imputation episodes have no target column (target None, task "imputation").
+    """
+    from synth.episodes import IMPUTATION
+    from synth.raw import TARGET, to_frame
+    from synth.stream import _RAW, SynthStream, table_rng
+    from synth.table import CLASSIFICATION
+
+    table, episode = SynthStream(cfg, seed=seed).table(index, 0)
+    frame = to_frame(table, table_rng(seed, index, 0, 0, _RAW), cfg.prior)
+    target = None if episode.task == IMPUTATION else TARGET
+    n_classes = int(table.cardinality[table.target]) if episode.task == CLASSIFICATION else 0
+    return frame, target, episode.task, n_classes
+
+
+def _write_corpus_table(job: tuple) -> dict[str, Any]:
+    """Generate and write one corpus table (runs in a worker process); returns its stats."""
+    from data.store import write_table
+
+    cfg, seed, out, index, fingerprint = job
+    frame, target, task, n_classes = corpus_table(cfg, seed, index)
+    h = write_table(out, table_name(index), frame, target=target, task=task, source=CORPUS_SOURCE,
+                    seed=seed, index=index, config=fingerprint, n_classes=n_classes)
+    return {"index": index, "rows": h.n_rows, "cols": h.n_cols, "bytes": h.path.stat().st_size, "task": task}
+
+
+def _complete_table(out: Path, index: int, seed: int, fingerprint: str) -> dict[str, Any] | None:
+    """Stats of corpus table `index` when its file is complete and from this corpus; None to (re)generate."""
+    from data.store import SUFFIX, read_header
+
+    path = out / f"{table_name(index)}{SUFFIX}"
+    if not path.exists():
+        return None
+    try:
+        h = read_header(path)
+    except ValueError as err:  # damaged after it was written: make it again
+        print(f"tabfm synth: {err}; regenerating it", file=sys.stderr)
+        path.unlink()
+        return None
+    e = h.extra
+    if (e.get("source"), e.get("seed"), e.get("config"), e.get("index")) != (CORPUS_SOURCE, seed, fingerprint, index):
+        raise ValueError(f"{path} belongs to another corpus (source {e.get('source')!r}, seed {e.get('seed')!r}, "
+                         f"config {e.get('config')!r}); this run has seed {seed}, config {fingerprint}: "
+                         "rerun with the same flags, or use a new --out")
+    return {"index": index, "rows": h.n_rows, "cols": h.n_cols, "bytes": path.stat().st_size, "task": h.task}
+
+
+def _check_corpus_args(args: argparse.Namespace) -> None:
+    if args.out is None or args.tables is None:
+        raise ValueError("--out DIR and --tables N go together (write N tables to the store DIR)")
+    if args.tables < 1:
+        raise ValueError(f"--tables must be >= 1, got {args.tables}")
+    if args.batches is not None:
+        raise ValueError("--batches does not apply with --out; use --tables")
+    if args.rank != 0 or args.world_size != 1:
+        raise ValueError("--rank / --world-size do not apply with --out: a corpus is one set of tables for every rank")
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    """Write (or complete) a corpus of --tables raw synthetic tables into the store --out."""
+    from tqdm import tqdm
+
+    from data.store import clean_temp_files
+    from synth.stream import SynthStream
+
+    _check_corpus_args(args)
+    cfg = build_config(args)
+    SynthStream(cfg, seed=args.seed)  # validates the seed here, not in a worker
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    clean_temp_files(out)  # leftovers of a killed run
+    fingerprint = config_fingerprint(cfg)
+    stats: dict[int, dict[str, Any]] = {}
+    for i in range(args.tables):
+        done = _complete_table(out, i, args.seed, fingerprint)
+        if done is not None:
+            stats[i] = done
+    skipped = len(stats)
+    jobs = [(cfg, args.seed, str(out), i, fingerprint) for i in range(args.tables) if i not in stats]
+    workers = min(args.workers, len(jobs))
+    pool = None
+    if workers > 1:  # fork where the OS has it (no re-import of torch/pandas per worker), as DataLoader does
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        pool = multiprocessing.get_context(method).Pool(workers)
+    bar = tqdm(total=args.tables, initial=skipped, unit="table", file=sys.stderr, disable=args.no_progress,
+               dynamic_ncols=True)
+    try:
+        results = map(_write_corpus_table, jobs) if pool is None else pool.imap_unordered(_write_corpus_table, jobs)
+        for r in results:
+            stats[r["index"]] = r
+            bar.update(1)
+    finally:  # on error or Ctrl-C, stop the workers; their temporaries are removed by the next run
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        bar.close()
+    summary = corpus_summary(out, args.seed, fingerprint, stats, skipped, max(args.workers, 1), time.perf_counter() - start)
+    print(render_corpus_summary(summary))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"\nwrote {path}")
+    return 0
+
+
+def corpus_summary(out: Path, seed: int, fingerprint: str, stats: dict[int, dict[str, Any]], skipped: int,
+                   workers: int, seconds: float) -> dict[str, Any]:
+    """What the store holds after a corpus run (all its tables) and what this run did."""
+    written = len(stats) - skipped
+    tasks = Counter(r["task"] for r in stats.values())
+    return {
+        "out": str(out), "seed": seed, "config": fingerprint, "tables": len(stats), "written": written,
+        "skipped": skipped, "rows": sum(r["rows"] for r in stats.values()),
+        "cells": sum(r["rows"] * r["cols"] for r in stats.values()), "bytes": sum(r["bytes"] for r in stats.values()),
+        "tasks": dict(sorted(tasks.items())), "workers": workers, "seconds": seconds,
+        "tables_per_s": written / max(seconds, 1e-9),
+    }
+
+
+def render_corpus_summary(d: dict[str, Any]) -> str:
+    mb = d["bytes"] / 2**20
+    return "\n".join([
+        f"tabfm synth --out {d['out']}  seed={d['seed']}  config {d['config']}",
+        "",
+        f"  tables  {d['tables']:>12,}      written  {d['written']:>10,}   skipped {d['skipped']:,} (complete)",
+        f"  rows    {d['rows']:>12,}      seconds  {d['seconds']:>10.2f}   workers {d['workers']}",
+        f"  cells   {d['cells']:>12,}      tables/s {d['tables_per_s']:>10.1f}",
+        f"  bytes   {d['bytes']:>12,}      ({mb:,.1f} MiB)",
+        "  tasks   " + "  ".join(f"{t} {n:,}" for t, n in d["tasks"].items()),
+    ])
