@@ -133,7 +133,11 @@ class OptimizerWrapper:
         norm = self._unscale_and_norm(params, norm_type)
         if self._found_inf:  # the step will be skipped; leave the gradients alone
             return norm
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        sharded = [p for p in params if callable(getattr(p.grad, "full_tensor", None))]
+        plain = [p for p in params if not callable(getattr(p.grad, "full_tensor", None))]
+        for group in (sharded, plain):  # foreach kernels refuse DTensor and plain tensors mixed
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm
 
     def step(self, *args: Any, **kwargs: Any) -> None:

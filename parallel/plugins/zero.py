@@ -57,9 +57,14 @@ def _rebind_scheduler(lr_scheduler: Any, old: torch.optim.Optimizer, new: Any) -
 def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Global gradient norm when gradients may be DTensor shards: the per-shard norms are
     reduced over the shards' mesh (`full_tensor`); plain gradients give the plain norm."""
-    norm = plain_grad_norm(grads, norm_type)
-    full = getattr(norm, "full_tensor", None)
-    return full() if callable(full) else norm
+    sharded = [g for g in grads if callable(getattr(g, "full_tensor", None))]
+    plain = [g for g in grads if not callable(getattr(g, "full_tensor", None)) and g.numel()]
+    norms = [plain_grad_norm(sharded, norm_type).full_tensor()] if sharded else []
+    if plain:  # parameters left unsharded (replicated): their norm counts once
+        norms.append(plain_grad_norm(plain, norm_type).to(norms[0].device if norms else plain[0].device))
+    if not norms:
+        return torch.zeros(())
+    return norms[0] if len(norms) == 1 else plain_grad_norm(norms, norm_type)
 
 
 class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
@@ -155,6 +160,10 @@ class FullyShardPlugin(TorchDDPPlugin):
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
+        # empty parameters (e.g. a 0-row embedding) cannot be reduce-scattered: leave them plain
+        empty = {p for p in model.parameters() if p.numel() == 0}
+        if empty:
+            fully_shard_kwargs = {**fully_shard_kwargs, "ignored_params": empty}
         for _, module in units:
             fully_shard(module, **fully_shard_kwargs)
         fully_shard(model, **fully_shard_kwargs)

@@ -1,18 +1,30 @@
-"""`tabfm pretrain`: pretrain the table transformer on the synthetic stream (resumes from --out)."""
+"""`tabfm pretrain`: pretrain the table transformer on the synthetic stream (resumes from --out).
+
+One process:           tabfm pretrain --preset tiny --out runs/tiny
+N processes (torchrun): torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin ddp --out runs/tiny
+
+Each data-parallel rank trains on its own batches of the stream's cells_per_batch cells, so the
+global batch is N times the single-process one; logged cells/s are global, losses rank averages.
+"""
 from __future__ import annotations
 
 import argparse
+import gc
+import traceback
+from typing import TYPE_CHECKING
 
-from tabfm.train.config import PRECISIONS, PretrainConfig
+from tabfm.train.config import PLUGINS, PRECISIONS, PretrainConfig
 from tabfm.train.optim import OPTIMIZERS
 
-PLUGINS = ("single",)
+if TYPE_CHECKING:
+    from tabfm.train.trainer import TrainResult
 
 # command-line flag -> PretrainConfig field, for the plain overrides
 _FIELDS = {
     "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "warmup_steps": int, "precision": str,
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
+    "eval_batches": int,
 }
 
 
@@ -20,7 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("pretrain", help="pretrain on the synthetic stream", description=__doc__)
     p.add_argument("--preset", default="tiny", choices=sorted(PretrainConfig.PRESETS), help="training recipe (model size)")
     p.add_argument("--out", default=None, help="run directory (default runs/pretrain-PRESET); an existing run resumes")
-    p.add_argument("--plugin", default="single", choices=PLUGINS, help="engine plugin")
+    p.add_argument("--plugin", default="single", choices=PLUGINS,
+                   help="engine plugin: single (one process) or ddp | zero | fsdp under torchrun")
+    p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
+                   help="ZeRO stage for --plugin zero (default 1)")
     p.add_argument("--no-sklearn-eval", action="store_true", help="skip the scikit-learn dataset evaluation")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, typ in _FIELDS.items():
@@ -31,18 +46,54 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tabfm.train.pretrain import pretrain  # heavy imports only when the command runs
-
     overrides = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
+    overrides["plugin"] = args.plugin
+    if args.zero_stage is not None:
+        if args.plugin != "zero":
+            raise ValueError(f"--zero-stage applies to --plugin zero, not --plugin {args.plugin}")
+        overrides["zero_stage"] = args.zero_stage
     if args.no_sklearn_eval:
         overrides["eval_sklearn"] = False
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
-    result = pretrain(cfg, out, progress=not args.quiet)
+    main, result = _train(cfg, out, progress=not args.quiet)
+    if main:
+        _summary(out, result)
+    return 0
+
+
+def _train(cfg: PretrainConfig, out: str, progress: bool) -> tuple[bool, "TrainResult"]:
+    """Run pretraining in this process (one rank under torchrun); return (main process?, result).
+
+    The process group is torn down only after every object holding it (DDP's reducer, ...) is
+    gone: gloo joins its worker threads in the group's destructor while holding the GIL, and a
+    reducer that outlives destroy() can deadlock the process at exit."""
+    from parallel.launch import barrier, destroy
+    from tabfm.train.pretrain import build_plugin, pretrain  # heavy imports only when the command runs
+
+    plugin = build_plugin(cfg)
+    main = plugin.is_main_process  # asks the process group, so before destroy()
+    finished = False
+    try:
+        result = pretrain(cfg, out, plugin=plugin, progress=progress)
+        finished = True
+        return main, result
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)  # the traceback would keep the training objects alive
+        raise
+    finally:
+        del plugin
+        gc.collect()
+        if finished:
+            barrier()  # every collective done everywhere (after a failure a peer may be gone: skip)
+        destroy()
+
+
+def _summary(out: str, result: "TrainResult") -> None:
+    """The end-of-run table (main process only)."""
     print(f"\n{'':2}{'run':<16}{out}")
     for key, value in [("stopped", result.stopped), ("step", result.step), ("cells", f"{result.cells:,}"),
                        ("wall", f"{result.wall_s / 60:.1f} min"), ("checkpoint", result.checkpoint), ("export", result.export)]:
         print(f"{'':2}{key:<16}{value}")
     for key, value in {**{f"train/{k}": v for k, v in result.last.items() if k in ("loss", "cells_per_s")}, **result.evals}.items():
         print(f"{'':2}{key:<28}{value:.4f}" if isinstance(value, float) else f"{'':2}{key:<28}{value}")
-    return 0

@@ -8,6 +8,7 @@ from typing import Any
 from tabfm.train.optim import OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+PLUGINS = ("single", "ddp", "zero", "fsdp")  # engine plugins a pretraining run can use
 
 
 @dataclass
@@ -24,6 +25,13 @@ class PretrainConfig:
     ckpt_every     steps between checkpoints; keep_last of them are kept
     init           warm start: model weights from an export directory or shipped name (same model
                    config); optimizer, schedule and stream start fresh. Ignored when the run resumes.
+    plugin         engine plugin: single | ddp | zero | fsdp (the distributed ones run under torchrun)
+    zero_stage     ZeRO stage of plugin "zero": 1 (sharded optimizer state) or 2 (+ sharded gradients)
+
+    Batches are per data-parallel rank: every rank draws its own batch of about the stream's
+    `cells_per_batch` cells per micro-batch (tables no other rank sees), so one optimizer step
+    sees dp_ranks x grad_accum x cells_per_batch cells. Adding ranks grows the global batch;
+    the logged cells/s and cell counts are global (summed over ranks), losses averaged over ranks.
     """
 
     model: str = "tiny"
@@ -50,6 +58,8 @@ class PretrainConfig:
     keep_last: int = 3
     device: str | None = None
     init: str | None = None
+    plugin: str = "single"
+    zero_stage: int = 1
 
     PRESETS = {
         # the shipped tabfm-tiny recipe: 31 min on 2 vCPU with --threads 1 (see BENCHMARKS.md)
@@ -84,6 +94,8 @@ class PretrainConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
         need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
+        need(self.plugin in PLUGINS, "plugin", f"must be one of {', '.join(PLUGINS)}")
+        need(self.zero_stage in (1, 2), "zero_stage", "must be 1 or 2 (ZeRO-3 is --plugin fsdp)")
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")

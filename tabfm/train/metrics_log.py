@@ -7,12 +7,26 @@ from pathlib import Path
 from typing import Any
 
 
+def _drop_partial_line(path: Path) -> None:
+    """Cut a half-written last record (a run killed mid-write), so appended records stay readable."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsLog:
-    """Append-only JSONL metrics (`metrics.jsonl`); TensorBoard scalars under `tb/` if available."""
+    """Append-only JSONL metrics (`metrics.jsonl`); TensorBoard scalars under `tb/` if available.
+
+    One writer per run: under torchrun only the main process opens it. A resumed run appends
+    (a "resume" record marks where), so steps redone after a crash appear twice."""
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_line(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         self._tb = None
         if tensorboard:

@@ -1,12 +1,23 @@
-"""Pretraining on the synthetic stream: wires the model, the stream and the engine into a Trainer."""
+"""Pretraining on the synthetic stream: wires the model, the stream and the engine into a Trainer.
+
+One process (`--plugin single`) or many under torchrun (`--plugin ddp | zero | fsdp`): every
+rank builds the same model, draws its own share of the stream, and runs the same loop; the
+main process (rank 0) writes train_config.json, logs and metrics. Checkpoints and the export
+are written collectively by the plugin's checkpoint IO.
+"""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, load_exported
+from parallel.checkpoint import MANIFEST, read_manifest
+from parallel.export import export_model
+from parallel.launch import barrier, launch, seed_for_rank
 from synth.dataset import SynthDataset, SynthLoader
 from synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
@@ -17,25 +28,86 @@ from tabfm.train.trainer import Trainer, TrainResult
 
 # the header of config.json in an export: what estimators need to rebuild the model
 EXPORT_FORMAT = "tabfm.model"
+TRAIN_CONFIG = "train_config.json"
 
 
-def export_config(model_cfg: ModelConfig, train_cfg: PretrainConfig, **info) -> dict:
-    return {"format": EXPORT_FORMAT, "version": 1, "model": model_cfg.to_dict(), "train": train_cfg.to_dict(), **info}
+def export_config(model_cfg: ModelConfig, train_cfg: PretrainConfig | dict[str, Any], **info: Any) -> dict:
+    """The config.json header of an export; `train_cfg` may be the dict a run saved in train_config.json."""
+    train = train_cfg.to_dict() if isinstance(train_cfg, PretrainConfig) else dict(train_cfg)
+    return {"format": EXPORT_FORMAT, "version": 1, "model": model_cfg.to_dict(), "train": train, **info}
 
+
+# --------------------------------------------------------------------------- the engine plugin
+
+def build_plugin(cfg: PretrainConfig) -> Plugin:
+    """The plugin `cfg.plugin` names. Distributed plugins first join the process group that
+    torchrun describes (`parallel.launch`: gloo on CPU, NCCL on CUDA); the caller owns it and
+    calls `parallel.destroy()` at the end."""
+    world = os.environ.get("WORLD_SIZE")
+    if cfg.plugin == "single":
+        if world is not None and int(world) > 1:
+            raise ValueError(f"--plugin single under torchrun with WORLD_SIZE={world}: every process would train "
+                             "its own copy; use --plugin ddp, zero or fsdp")
+        return SingleProcessPlugin(device=cfg.device)
+    if world is None:
+        raise ValueError(f"--plugin {cfg.plugin} runs one process per rank under torchrun: "
+                         f"torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin {cfg.plugin} ... "
+                         "(or --plugin single for one process)")
+    launch()
+    if cfg.plugin == "ddp":
+        from parallel.plugins.ddp import TorchDDPPlugin
+
+        return TorchDDPPlugin(device=cfg.device)
+    if cfg.plugin == "zero":
+        from parallel.plugins.zero import LowLevelZeroPlugin
+
+        return LowLevelZeroPlugin(stage=cfg.zero_stage, device=cfg.device)
+    from parallel.plugins.fsdp import TorchFSDPPlugin
+
+    return TorchFSDPPlugin(device=cfg.device)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# --------------------------------------------------------------------------- resuming safely
 
 def _check_same_run(out: Path, cfg: PretrainConfig) -> None:
-    """Resuming with a different model or stream would silently mix runs: refuse."""
-    saved_path = out / "train_config.json"
-    if not saved_path.exists():
-        return
-    saved = json.loads(saved_path.read_text())
-    for key in ("model", "stream", "seed", "optimizer"):
-        if saved.get(key) != getattr(cfg, key):
-            raise ValueError(
-                f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
-                "use another --out or the same settings to resume"
-            )
+    """Refuse what would silently mix runs: resuming with a different model, stream, seed or
+    optimizer. Another plugin or world size is fine: every plugin's checkpoint IO reads both
+    formats ("general" full tensors and "sharded" DCP shards) and reshards on load."""
+    saved_path = out / TRAIN_CONFIG
+    if saved_path.exists():
+        saved = json.loads(saved_path.read_text())
+        for key in ("model", "stream", "seed", "optimizer"):
+            if saved.get(key) != getattr(cfg, key):
+                raise ValueError(
+                    f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
+                    "use another --out or the same settings to resume"
+                )
 
+
+def _announce_resume(out: Path, trainer: Trainer, plugin: Plugin, seed: int) -> None:
+    """Say where the run resumes (main process), record it in the metrics, and give each rank
+    fresh RNG streams when the world size changed (the checkpoint then held no RNG state per rank)."""
+    ckpt, step = trainer.resumed_from, trainer.step
+    saved = read_manifest(ckpt).get("layout", {})
+    before, now = int(saved.get("world_size", 1)), _world_size()
+    dp_before, dp_now = int(saved.get("dp", before)), plugin.dp_world_size
+    trainer.record("resume", {"checkpoint": ckpt.name, "world_size": now, "checkpoint_world_size": before})
+    if before != now and dp_now > 1:
+        torch.manual_seed(seed_for_rank(seed_for_rank(seed, step), plugin.dp_rank))
+    if plugin.is_main_process:
+        print(f"resuming {out} from step {step} ({ckpt.name})", flush=True)
+        if dp_before != dp_now:
+            print(f"  data-parallel ranks: {dp_before} -> {dp_now}; the global batch changes by {dp_now}/{dp_before}",
+                  flush=True)
+
+
+# --------------------------------------------------------------------------- pretraining
 
 def warm_start(model: TabFM, init: str) -> None:
     """Copy weights from an export (path or shipped name) into `model`; the model configs must agree."""
@@ -51,29 +123,37 @@ def warm_start(model: TabFM, init: str) -> None:
 
 
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = None, progress: bool = True) -> TrainResult:
-    """Pretrain (or resume, when out_dir holds checkpoints) and export to out_dir/export."""
+    """Pretrain (or resume, when out_dir holds checkpoints) and export to out_dir/export.
+
+    `plugin` defaults to `build_plugin(cfg)`. Under torchrun call this on every rank."""
     out = Path(out_dir)
-    _check_same_run(out, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    plug = plugin if plugin is not None else build_plugin(cfg)
+    main = plug.is_main_process
+    _check_same_run(out, cfg)  # every rank reads the old train_config.json ...
+    barrier()  # ... before the main process replaces it
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / TRAIN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial model on every rank
     model_cfg = ModelConfig.preset(cfg.model)
     model = TabFM(model_cfg)
     if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
         warm_start(model, cfg.init)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
-    booster = Booster(plugin or SingleProcessPlugin(device=cfg.device), precision=cfg.precision)
+    booster = Booster(plug, precision=cfg.precision)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
+        torch.manual_seed(seed_for_rank(cfg.seed, plug.dp_rank))
 
     stream_cfg = StreamConfig.preset(cfg.stream)
-    plug = booster.plugin
     dataset = SynthDataset(stream_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
     data = SynthLoader(dataset, num_workers=cfg.workers)
 
+    # every rank evaluates (a sharded forward is collective); the main process logs
     evaluators = {}
     if cfg.eval_batches > 0:
         evaluators["synth"] = synthetic_eval(stream_cfg, cfg.seed, cfg.eval_batches)
@@ -85,9 +165,66 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators=evaluators, eval_every=cfg.eval_every,
-        export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress and plug.is_main_process,
+        export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress,
     )
-    start = trainer.resume()
-    if start and progress:
-        print(f"resuming {out} from step {start}")
+    if main and progress and plug.dp_world_size > 1:
+        print(f"pretrain {out}: plugin {plug.name}, {_world_size()} processes, {plug.dp_world_size} data-parallel "
+              f"ranks x ~{stream_cfg.cells_per_batch:,} cells per micro-batch each", flush=True)
+    if trainer.resume():
+        _announce_resume(out, trainer, plug, cfg.seed)
     return trainer.fit()
+
+
+# --------------------------------------------------------------------------- export from a checkpoint
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint `path` names: a checkpoint directory itself, or the newest complete one of a
+    run directory (under its checkpoints/) or of a checkpoints directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{p}: no such directory (expected a checkpoint or a run directory)")
+    if (p / MANIFEST).is_file():
+        return p
+    for root in (p / "checkpoints", p):
+        ckpt = latest_checkpoint(root)
+        if ckpt is not None:
+            return ckpt
+    raise ValueError(f"{p} is neither a checkpoint (no {MANIFEST}) nor a run directory with a complete "
+                     "checkpoint under checkpoints/")
+
+
+def checkpoint_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Full model weights of a checkpoint ("general" or "sharded") in one process, whatever world size wrote it."""
+    from parallel.sharded_checkpoint import load_full_model_state
+
+    return load_full_model_state(ckpt)
+
+
+def run_train_config(ckpt: Path, train_config: str | Path | None = None) -> dict[str, Any]:
+    """The train_config.json of the run a checkpoint belongs to (RUN/checkpoints/step_N -> RUN)."""
+    candidates = [Path(train_config)] if train_config is not None else [ckpt.parent.parent / TRAIN_CONFIG,
+                                                                       ckpt.parent / TRAIN_CONFIG]
+    for path in candidates:
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if not isinstance(saved, dict) or not isinstance(saved.get("model"), str):
+                raise ValueError(f"{path}: not a pretraining train_config.json (no model preset name)")
+            return saved
+    raise ValueError(f"cannot find the run's {TRAIN_CONFIG} for {ckpt} (looked at {', '.join(map(str, candidates))}); "
+                     "pass its path with --train-config")
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
+                      train_config: str | Path | None = None) -> tuple[Path, Path]:
+    """Write `out_dir/model.safetensors` + `config.json` from a checkpoint (or a run's newest one),
+    exactly as the run's own export at that step; return (checkpoint used, out_dir)."""
+    ckpt = find_checkpoint(checkpoint)
+    state = checkpoint_model_state(ckpt)
+    train = run_train_config(ckpt, train_config)
+    model_cfg = ModelConfig.preset(train["model"])
+    model = TabFM(model_cfg)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"{ckpt}: weights do not match model preset {train['model']!r}: {err}") from None
+    return ckpt, export_model(model, out_dir, export_config(model_cfg, train, preset=train["model"]))

@@ -3,17 +3,23 @@
 It owns accumulation, clipping, the schedule, logging, periodic evaluation, atomic
 checkpoints that resume exactly (model, optimizer, scheduler, data position, RNG) and
 the wall-clock budget. Pretraining and fine-tuning differ only in what they hand it.
+
+Under torchrun every rank runs this loop in lock step. Collective work (the step, evaluation
+forwards, checkpoints, export) runs on every rank; logs, the progress bar and metrics files
+are written by the main process only, with losses averaged and cell counts summed over ranks.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -23,10 +29,46 @@ from tabfm.train.metrics_log import MetricsLog
 Evaluator = Callable[[nn.Module], dict[str, float]]
 
 
-def _nanmean(values: list[float]) -> float:
-    """Mean over the finite entries (a micro-batch with no cells of a kind reports NaN for it)."""
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else float("nan")
+class Ranks:
+    """This process's place in the process group, and the few collectives the loop needs
+    (sums for logging, agreement on stopping, pickle-free gathers for resuming). In a single
+    process every method is the identity and nothing is communicated."""
+
+    def __init__(self, dp_world_size: int = 1, device: torch.device | str = "cpu") -> None:
+        self.active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.active else 0
+        self.world = dist.get_world_size() if self.active else 1
+        if self.world % dp_world_size:
+            raise ValueError(f"dp_world_size={dp_world_size} does not divide the world size {self.world}")
+        # ranks of one data-parallel replica (tensor/pipeline peers) see the same batch: count it once
+        self.replicas_per_dp = self.world // dp_world_size
+        self.device = torch.device(device)
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over all ranks."""
+        if not self.active or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (so all ranks stop at the same step)."""
+        return bool(self.sum([float(flag)])[0]) if self.active else flag
+
+    def gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-serialisable `obj`, by rank (sent as JSON bytes, never pickled)."""
+        if not self.active:
+            return [obj]
+        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=self.device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=self.device))
+        longest = int(max(int(s) for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data
+        out = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world)]
+        dist.all_gather(out, padded)
+        return [json.loads(bytes(o[: int(n)].cpu().tolist()).decode()) for o, n in zip(out, sizes)]
 
 
 class ResumableData(Protocol):
@@ -83,24 +125,67 @@ class Trainer:
         self.max_minutes, self.eval_every = max_minutes, eval_every
         self.evaluators = evaluators or {}
         self.export_config = export_config
-        self.progress = progress
+        self.ranks = Ranks(booster.plugin.dp_world_size, booster.device)
+        self.is_main = booster.plugin.is_main_process
+        self.progress = progress and self.is_main
         self.step = 0
-        self.cells = 0
-        self.log = MetricsLog(self.out_dir)
+        self.cells = 0  # global: summed over data-parallel ranks at every log step and checkpoint
+        self._unsynced_cells = 0  # this rank's cells since the last sum
+        self.resumed_from: Path | None = None
+        self.log = MetricsLog(self.out_dir) if self.is_main else None
+
+    def record(self, kind: str, values: dict[str, Any]) -> None:
+        """One metrics record (main process only)."""
+        if self.log is not None:
+            self.log.log(self.step, kind, values)
+
+    def _sync_cells(self) -> int:
+        """Collective: add every rank's cells since the last call to the global count; return them."""
+        local = self._unsynced_cells
+        self._unsynced_cells = 0
+        new = int(round(self.ranks.sum([float(local)])[0] / self.ranks.replicas_per_dp))
+        self.cells += new
+        return new
 
     # ------------------------------------------------------------------ state
     def resume(self) -> int:
-        """Load the newest complete checkpoint under out_dir, if any; return the step reached."""
+        """Load the newest complete checkpoint under out_dir, if any; return the step reached.
+
+        Collective: every rank must find the same checkpoint (one shared --out directory)."""
         ckpt = latest_checkpoint(self.ckpt_root)
+        seen = self.ranks.gather_json(None if ckpt is None else ckpt.name)
+        if len(set(seen)) > 1:
+            raise RuntimeError(f"ranks see different latest checkpoints under {self.ckpt_root} (by rank: {seen}); "
+                               "every rank must read the same --out directory (a shared filesystem across nodes)")
         if ckpt is None:
             return 0
         extra = self.booster.load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, lr_scheduler=self.scheduler)
         self.step, self.cells = int(extra["step"]), int(extra.get("cells", 0))
-        self.data.load_state_dict(extra["data"])
+        self.data.load_state_dict(self._own_data_state(extra, ckpt))
+        self.resumed_from = ckpt
         return self.step
 
+    def _own_data_state(self, extra: dict[str, Any], ckpt: Path) -> dict[str, Any]:
+        """This rank's data-stream state from a checkpoint written by any number of ranks.
+
+        Same world size: each rank gets its own saved state. Another world size is fine when
+        all ranks stood at the same state (a lock-step stream such as SynthLoader, whose tables
+        depend on the rank, so new ranks draw tables nobody drew before): every rank takes it."""
+        states = extra.get("data_ranks")
+        if not isinstance(states, list) or not states:
+            return extra["data"]  # written before per-rank data states were recorded
+        if len(states) == self.ranks.world:
+            return states[self.ranks.rank]
+        if any(s != states[0] for s in states):
+            raise ValueError(f"{ckpt} was written by {len(states)} ranks whose data streams stood at different "
+                             f"states; it resumes only at world size {len(states)}, not {self.ranks.world}")
+        return states[0]
+
     def save(self) -> Path:
-        extra = {"step": self.step, "cells": self.cells, "data": self.data.state_dict()}
+        """Collective: checkpoint everything needed to resume exactly, each rank's data state included."""
+        self._sync_cells()
+        state = self.data.state_dict()
+        extra = {"step": self.step, "cells": self.cells, "data": state, "data_ranks": self.ranks.gather_json(state)}
         return self.booster.save_checkpoint(
             checkpoint_dir(self.ckpt_root, self.step), model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.scheduler, extra=extra, keep_last=self.keep_last,
@@ -108,6 +193,11 @@ class Trainer:
 
     # -------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
+        """Run the evaluators on the unwrapped model on every rank; the main process logs.
+
+        Every rank runs them because with sharded parameters (FSDP, ZeRO-2) a forward is a
+        collective; the evaluation data and the eval-mode model are deterministic, so every
+        rank computes the same numbers."""
         module = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
         was_training = module.training
         module.eval()
@@ -120,7 +210,7 @@ class Trainer:
         finally:
             module.train(was_training)
         if results:
-            self.log.log(self.step, "eval", results)
+            self.record("eval", results)
         return results
 
     # -------------------------------------------------------------------- loop
@@ -131,6 +221,16 @@ class Trainer:
             loss, metrics = self.criterion(output, batch)
             self.booster.backward(loss / self.grad_accum, self.optimizer)
         return {"loss": float(loss.detach()), **metrics}
+
+    def _window_means(self, window: dict[str, list[float]]) -> dict[str, float]:
+        """Collective: mean of each metric over the finite values of all micro-batches on all ranks
+        (a micro-batch with no cells of a kind reports NaN for it). Every rank must pass the same keys."""
+        keys = sorted(window)
+        sums = [sum(v for v in window[k] if math.isfinite(v)) for k in keys]
+        counts = [float(sum(1 for v in window[k] if math.isfinite(v))) for k in keys]
+        total = self.ranks.sum(sums + counts)
+        n = len(keys)
+        return {k: total[i] / total[n + i] if total[n + i] else float("nan") for i, k in enumerate(keys)}
 
     def fit(self) -> TrainResult:
         start = time.perf_counter()
@@ -145,7 +245,7 @@ class Trainer:
         bar = tqdm(total=self.steps, initial=self.step, disable=not self.progress, desc="train", dynamic_ncols=True)
         self.model.train()
         while self.step < self.steps:
-            if deadline is not None and time.perf_counter() >= deadline:
+            if deadline is not None and self.ranks.any(time.perf_counter() >= deadline):
                 stopped = "time"
                 break
             for i in range(self.grad_accum):
@@ -153,8 +253,7 @@ class Trainer:
                 cells = batch.num_cells
                 for k, v in self._micro_step(batch, last=i == self.grad_accum - 1).items():
                     window.setdefault(k, []).append(v)
-                self.cells += cells
-                window_cells += cells
+                self._unsynced_cells += cells
             grad_norm = self.booster.clip_grad_norm_(self.optimizer, self.clip if self.clip else math.inf)
             self.optimizer.step()
             self.optimizer.zero_grad()
@@ -162,16 +261,18 @@ class Trainer:
             self.step += 1
             bar.update(1)
             if self.step % self.log_every == 0 or self.step == self.steps:
+                window_cells += self._sync_cells()
                 dt = max(time.perf_counter() - window_t0, 1e-9)
-                last = {k: _nanmean(v) for k, v in window.items()}
+                last = self._window_means(window)
                 last.update(lr=self.optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm),
                             cells_per_s=window_cells / dt, elapsed_s=time.perf_counter() - start)
-                self.log.log(self.step, "train", last)
+                self.record("train", last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", cells_s=f"{last['cells_per_s']:.0f}")
                 window, window_cells, window_t0 = {}, 0, time.perf_counter()
             if self.evaluators and self.step % self.eval_every == 0:
                 evals = self.evaluate()
             if self.step % self.ckpt_every == 0:
+                window_cells += self._sync_cells()  # save() sums them; keep the window's rate right
                 self.save()
                 saved_at = self.step
         bar.close()
@@ -181,5 +282,6 @@ class Trainer:
         export = None
         if self.export_config is not None:
             export = self.booster.export(self.model, self.out_dir / "export", config=self.export_config)
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
         return TrainResult(self.step, stopped, time.perf_counter() - start, self.cells, last, evals, ckpt, export)
