@@ -219,6 +219,17 @@ def _scenario_resume(rank, world, path):
     return {"loaded": loaded, "final": params(model)}
 
 
+def _scenario_from_general(rank, world, path, kind):
+    """A "general" checkpoint (full tensors, written by one process) resumed by a sharded or
+    replicated run: through the sharded IO's fallback reader."""
+    booster, model, opt, crit = setup(_plugin(kind), seed=5)
+    extra = booster.load_checkpoint(path, model=model, optimizer=opt)
+    loaded = params(model)
+    data = batches(booster.prepare_dataloader(make_dataset(), batch_size=GLOBAL_BATCH // world), 5)
+    train(booster, model, opt, crit, data[3:])
+    return {"loaded": loaded, "final": params(model), "extra": extra}
+
+
 def _run_all(rank, scenarios: dict) -> dict:
     out = {}
     for name, fn in scenarios.items():
@@ -243,10 +254,12 @@ def worker_2(rank, world, root):
     })
 
 
-def worker_4(rank, world, ckpt_path):
+def worker_4(rank, world, ckpt_path, general_path):
     return _run_all(rank, {
         "fsdp_fp32": lambda: _scenario_train(rank, world, "fsdp", "fp32", ACCUM),
         "resume": lambda: _scenario_resume(rank, world, ckpt_path),
+        "general_fsdp": lambda: _scenario_from_general(rank, world, general_path, "fsdp"),
+        "general_ddp": lambda: _scenario_from_general(rank, world, general_path, "ddp"),
     })
 
 
@@ -256,10 +269,25 @@ def results_2(tmp_path_factory):
     return run_distributed(worker_2, world_size=2, args=(str(root),), timeout_s=120)
 
 
+def single_checkpoint(root: Path) -> tuple[Path, dict]:
+    """Three single-process fp32 steps saved as a "general" checkpoint, and that run continued 2 steps."""
+    booster, model, opt, crit = setup(SingleProcessPlugin(device="cpu"), "fp32")
+    data = batches(DataLoader(make_dataset(), batch_size=GLOBAL_BATCH), 5)
+    train(booster, model, opt, crit, data[:3])
+    path = booster.save_checkpoint(root / "single" / "step_000003", model=model, optimizer=opt, extra={"step": 3})
+    at_save = params(model)
+    train(booster, model, opt, crit, data[3:])
+    return path, {"at_save": at_save, "final": params(model)}
+
+
+_general: dict = {}
+
+
 @pytest.fixture(scope="module")
-def results_4(results_2):
+def results_4(results_2, tmp_path_factory):
     path = _get(results_2, "ckpt")[0]["path"]
-    return run_distributed(worker_4, world_size=4, args=(path,), timeout_s=120)
+    general_path, _general["expected"] = single_checkpoint(tmp_path_factory.mktemp("general"))
+    return run_distributed(worker_4, world_size=4, args=(path, str(general_path)), timeout_s=150)
 
 
 _single_cache: dict[str, dict] = {}
@@ -364,6 +392,16 @@ def test_four_ranks_match_single_process_and_resume_two_rank_checkpoint(results_
     for r in _get(results_4, "resume"):
         _assert_params(r["loaded"], ckpt["at_save"], 0)
         _assert_params(r["final"], ckpt["final"], 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_four_ranks_resume_a_single_process_general_checkpoint(results_4, kind):
+    expected = _general["expected"]
+    for r in _get(results_4, f"general_{kind}"):
+        assert r["extra"] == {"step": 3}
+        _assert_params(r["loaded"], expected["at_save"], 0)
+        _assert_params(r["final"], expected["final"], 1e-5)  # optimizer state came across too
 
 
 def test_plan_blocks_and_bad_block_names():

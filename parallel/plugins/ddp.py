@@ -24,20 +24,15 @@ from torch.utils.data import DataLoader
 
 from ..checkpoint import (
     GeneralCheckpointIO,
-    atomic_directory,
-    capture_rng_state,
     load_model_weights,
-    prune_checkpoints,
     read_manifest,
     restore_rng_state,
     sharded_reader,
-    unwrap_model,
-    write_manifest,
 )
 from ..plugin import Plugin
 from ..sharded_checkpoint import ShardedCheckpointIO
 from ..precision import MixedPrecision
-from ..state_io import load_state, save_state, save_weights
+from ..state_io import load_state
 from ..wrappers import ModelWrapper, OptimizerWrapper
 
 
@@ -48,13 +43,12 @@ def _require_process_group() -> None:
 
 
 class ReplicatedCheckpointIO(GeneralCheckpointIO):
-    """GeneralCheckpointIO for replicated state: rank 0 writes the full copy, all ranks load it.
+    """Reads a "general" (full-tensor, single-process) checkpoint into a distributed run.
 
-    Every rank must call save/load (they are collective). Before writing, optimizers that shard
-    their state (`consolidate_state_dict`, i.e. ZeroRedundancyOptimizer) are gathered to rank 0.
-    Each rank's RNG state is stored (`rng_ranks`); loading with the same world size restores a
-    rank's own RNG, otherwise (and in a single process) rank 0's. The directory is readable by
-    `GeneralCheckpointIO` (same `checkpoint_io` name), so a single process can resume from it.
+    Distributed plugins save through ShardedCheckpointIO and use this as its fallback reader:
+    every rank loads the full state (ZeroRedundancyOptimizer keeps its own partition of it;
+    `FullStateFSDPCheckpointIO` scatters it into FSDP2 shards). Saving and exporting go through
+    ShardedCheckpointIO, never here.
     """
 
     name = "general"
@@ -67,77 +61,19 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
             return dist.get_rank(self.group), dist.get_world_size(self.group)
         return 0, 1
 
-    def _global_src(self) -> int:
-        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
-
-    # --- hooks: how full state is gathered and scattered (FSDP overrides them) ------------------
-    def full_model_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Collective. The full model state dict on rank 0 (None elsewhere)."""
-        return unwrap_model(model).state_dict() if self._rank_world()[0] == 0 else None
-
-    def full_optimizer_state(self, model: nn.Module | None, optimizer: Any) -> dict[str, Any] | None:
-        """Collective. The full, index-keyed optimizer state dict on rank 0 (None elsewhere)."""
-        inner = optimizer.unwrap() if hasattr(optimizer, "unwrap") else optimizer
-        if hasattr(inner, "consolidate_state_dict"):  # ZeroRedundancyOptimizer
-            inner.consolidate_state_dict(to=self._global_src())
-        return optimizer.state_dict() if self._rank_world()[0] == 0 else None
-
+    # --- hooks: how full state reaches the (possibly sharded) objects -----------------------
     def load_full_model_state(self, model: nn.Module, path: Path, strict: bool) -> None:
         load_model_weights(model, path, strict=strict)
 
     def load_full_optimizer_state(self, model: nn.Module | None, optimizer: Any, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)  # ZeRO keeps its own partition of the full state
 
-    # --- save / load -------------------------------------------------------------------------
     def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
-        path = Path(path)
-        _, world = self._rank_world()
-        if world == 1 and type(self).full_model_state is ReplicatedCheckpointIO.full_model_state:
-            return super().save_checkpoint(path, meta, model, optimizer, lr_scheduler, extra, keep_last)
-        model_state = self.full_model_state(model) if model is not None else None
-        optim_state = self.full_optimizer_state(model, optimizer) if optimizer is not None else None
-        rng_ranks: list[Any] = [None] * world
-        if world > 1:
-            dist.all_gather_object(rng_ranks, capture_rng_state(), group=self.group)
-        else:
-            rng_ranks = [capture_rng_state()]
+        raise NotImplementedError("distributed runs save through ShardedCheckpointIO; "
+                                  f"{type(self).__name__} only reads general checkpoints")
 
-        def write() -> Path:
-            with atomic_directory(path) as tmp:
-                if model is not None:
-                    save_weights(model_state, tmp / "model.safetensors")
-                if optimizer is not None:
-                    save_state(optim_state, tmp / "optimizer")
-                if lr_scheduler is not None:
-                    save_state(lr_scheduler.state_dict(), tmp / "scheduler")
-                save_state({"trainer": dict(extra or {}), "rng": rng_ranks[0], "rng_ranks": rng_ranks},
-                           tmp / "extra")
-                write_manifest(tmp, meta, self.name)
-            if keep_last is not None:
-                prune_checkpoints(path.parent, keep_last, keep=path)
-            return path
-
-        return self._on_rank0(write, f"write checkpoint {path}", default=path)
-
-    def _on_rank0(self, fn: Any, what: str, default: Any) -> Any:
-        """Run `fn` on rank 0 only and tell every rank whether it worked, so a failure raises
-        everywhere instead of leaving the other ranks at a barrier. Returns fn's result on rank 0."""
-        rank, world = self._rank_world()
-        error: list[str | None] = [None]
-        result = default
-        if rank == 0:
-            try:
-                result = fn()
-            except Exception as e:
-                error[0] = f"{type(e).__name__}: {e}"
-                if world > 1:
-                    dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
-                raise
-        if world > 1:
-            dist.broadcast_object_list(error, src=self._global_src(), group=self.group)
-        if error[0] is not None:
-            raise RuntimeError(f"rank 0 failed to {what}: {error[0]}")
-        return result
+    def export(self, model, out_dir, config):
+        raise NotImplementedError("distributed runs export through ShardedCheckpointIO")
 
     def load_checkpoint(self, path, model=None, optimizer=None, lr_scheduler=None, strict=True, restore_rng=True):
         path = Path(path)
@@ -163,24 +99,6 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
             ranks = state.get("rng_ranks")
             restore_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
         return state["trainer"]
-
-    def export(self, model, out_dir, config):
-        from ..export import export_model
-
-        state = self.full_model_state(model)  # collective
-        return self._on_rank0(lambda: export_model(_StateHolder(state), out_dir, config), f"export {out_dir}",
-                              default=Path(out_dir))
-
-
-class _StateHolder(nn.Module):
-    """Presents an already-gathered state dict to `export_model`."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        object.__setattr__(self, "_state", state)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return self._state
 
 
 class TorchDDPPlugin(Plugin):

@@ -68,9 +68,8 @@ def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tens
 
 
 class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
-    """Gathers FSDP2 (DTensor) model and optimizer state to full tensors on rank 0, and loads
-    full state back into the shards, in the GeneralCheckpointIO format (so a checkpoint loads
-    into one process, DDP, or FSDP at any world size)."""
+    """Reads a "general" (full-tensor) checkpoint into FSDP2 (DTensor) shards: the fallback
+    reader of the sharded plugins' ShardedCheckpointIO."""
 
     def __init__(self, plugin: "FullyShardPlugin") -> None:
         super().__init__(plugin.process_group)
@@ -81,25 +80,6 @@ class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         return StateDictOptions(full_state_dict=True, **kw)
-
-    def full_model_state(self, model):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        state = get_model_state_dict(unwrap_model(model), options=self._options(cpu_offload=True))
-        return state if self._rank_world()[0] == 0 else None
-
-    def full_optimizer_state(self, model, optimizer):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        if model is None:
-            raise ValueError("saving a sharded (FSDP2) optimizer needs model= as well (its state is keyed by parameter)")
-        state = get_optimizer_state_dict(unwrap_model(model), optimizer.unwrap(),
-                                         options=self._options(cpu_offload=True))
-        if self._rank_world()[0] != 0:
-            return None
-        index = {name: i for i, name in enumerate(self._plugin._param_names)}
-        return {"state": {index[k]: v for k, v in state["state"].items()},
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
     def load_full_model_state(self, model, path: Path, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
