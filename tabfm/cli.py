@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # subcommand name -> module in tabfm.commands exposing add_parser(subparsers) and run(args) -> int
-COMMANDS = ["synth", "pretrain", "export", "predict", "eval"]
+COMMANDS = ["synth", "pretrain", "finetune", "export", "predict", "eval"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,7 +90,7 @@ def _check_same_run(out: Path, cfg: PretrainConfig) -> None:
                 )
 
 
-def _announce_resume(out: Path, trainer: Trainer, plugin: Plugin, seed: int) -> None:
+def announce_resume(out: Path, trainer: Trainer, plugin: Plugin, seed: int) -> None:
     """Say where the run resumes (main process), record it in the metrics, and give each rank
     fresh RNG streams when the world size changed (the checkpoint then held no RNG state per rank)."""
     ckpt, step = trainer.resumed_from, trainer.step
@@ -171,7 +171,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         print(f"pretrain {out}: plugin {plug.name}, {_world_size()} processes, {plug.dp_world_size} data-parallel "
               f"ranks x ~{stream_cfg.cells_per_batch:,} cells per micro-batch each", flush=True)
     if trainer.resume():
-        _announce_resume(out, trainer, plug, cfg.seed)
+        announce_resume(out, trainer, plug, cfg.seed)
     return trainer.fit()
 
 

@@ -1,0 +1,109 @@
+"""`tabfm finetune`: fine-tune the model on your own tables, judged on rows it never trains on.
+
+    tabfm finetune --data PATH --target COL --out DIR [--task classification|regression]
+                   [--init tabfm-tiny | EXPORT_DIR] [--steps N] [--max-minutes M] [--lr LR]
+                   [--replay FRACTION] [--holdout FRACTION] [--plugin single|ddp|zero|fsdp]
+
+PATH is a CSV, a Parquet file, a directory of them, or a table store. A share of each table's
+rows (--holdout, default 0.2, stratified for classification) is held out; the model trains on
+episodes of the other rows and is scored in context on the held-out rows before training and
+every --eval-every steps. The best weights go to DIR/export (load them with
+TabFMClassifier(model="DIR/export")); a before/after table is printed and written to
+DIR/finetune_summary.json. Rerunning the same command resumes from DIR/checkpoints.
+Many processes: torchrun --nproc_per_node N -m tabfm.cli finetune --plugin ddp ...
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import traceback
+from typing import TYPE_CHECKING
+
+from tabfm.train.config import PLUGINS, PRECISIONS
+from tabfm.train.optim import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from tabfm.train.finetune import FinetuneConfig, FinetuneResult
+
+TASKS = ("classification", "regression")
+# command-line flag -> FinetuneConfig field, for the plain overrides
+_FIELDS = {
+    "init": str, "steps": int, "max_minutes": float, "lr": float, "replay": float, "holdout": float, "threads": int,
+    "seed": int, "optimizer": str, "precision": str, "warmup_steps": int, "weight_decay": float, "grad_accum": int,
+    "eval_every": int, "patience": int, "ckpt_every": int, "keep_last": int, "log_every": int, "device": str,
+    "min_rows": int, "max_rows": int, "cells_per_batch": int, "imputation": float, "categorical": str,
+    "eval_estimators": int, "eval_rows": int, "replay_stream": str,
+}
+_CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity")}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("finetune", help="fine-tune on your own tables (held-out rows judge it)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, metavar="PATH", help="CSV, Parquet, directory of tables, or table store")
+    p.add_argument("--target", default=None, metavar="COL", help="target column (a store's header may supply it)")
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="default: classification for text/boolean targets and integers with <= 20 values, else regression")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory; an existing run there resumes")
+    p.add_argument("--preset", default="default", help="recipe: default | long | smoke (seconds)")
+    p.add_argument("--plugin", default="single", choices=PLUGINS,
+                   help="engine plugin: single (one process) or ddp | zero | fsdp under torchrun")
+    p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
+                   help="ZeRO stage for --plugin zero (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (the summary table is still printed)")
+    helps = {"init": "starting weights: shipped name or export directory (default tabfm-tiny)",
+             "steps": "optimizer steps of the whole run (default 300)", "max_minutes": "time budget of this invocation",
+             "lr": "peak learning rate (default 1e-4)", "replay": "share of batches from the synthetic prior (default 0)",
+             "holdout": "share of rows held out for evaluation (default 0.2)", "threads": "torch threads (1 is best on 2 cores)",
+             "patience": "evaluations without improvement before stopping (0: never; default 4)"}
+    for name, typ in _FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name), help=helps.get(name))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> "FinetuneConfig":
+    """The FinetuneConfig the command line asks for (ValueError naming a bad field)."""
+    from tabfm.train.finetune import FinetuneConfig
+
+    overrides = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
+    overrides.update(data=args.data, target=args.target, task=args.task, plugin=args.plugin)
+    if args.zero_stage is not None:
+        if args.plugin != "zero":
+            raise ValueError(f"--zero-stage applies to --plugin zero, not --plugin {args.plugin}")
+        overrides["zero_stage"] = args.zero_stage
+    return FinetuneConfig.preset(args.preset, **overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    main, result = _train(cfg, args.out, progress=not args.quiet)
+    if main and args.quiet:
+        print(result.table())
+    return 0
+
+
+def _train(cfg: "FinetuneConfig", out: str, progress: bool) -> tuple[bool, "FinetuneResult"]:
+    """Fine-tune in this process (one rank under torchrun); return (main process?, result).
+
+    As `tabfm pretrain`: the process group is destroyed only after every object holding it is gone."""
+    from parallel.launch import barrier, destroy
+    from tabfm.train.finetune import finetune
+    from tabfm.train.pretrain import build_plugin
+
+    plugin = build_plugin(cfg)  # type: ignore[arg-type]  # reads plugin, device, zero_stage
+    main = plugin.is_main_process
+    finished = False
+    try:
+        result = finetune(cfg, out, plugin=plugin, progress=progress)
+        finished = True
+        return main, result
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)
+        raise
+    finally:
+        del plugin
+        gc.collect()
+        if finished:
+            barrier()
+        destroy()

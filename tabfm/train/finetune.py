@@ -1,0 +1,671 @@
+"""Fine-tuning on the user's own tables: episodes of their rows, scored on rows it never trains on.
+
+`finetune(cfg, out_dir)` starts from exported weights (the shipped "tabfm-tiny" by default, or
+any export), reads the tables `cfg.data` names (a CSV, a Parquet file, a directory or a table
+store: anything `data.readers.read_tables` accepts), holds out a share of each table's rows
+(stratified by class for classification), and trains on episodes cut from the remaining rows
+(`data.table_episodes`): random context / query splits predicting the target, and random cell
+masking (imputation). Optionally a share of the batches replays the synthetic prior stream to
+limit forgetting.
+
+Held-out rows are scored in context the way the estimators will use the result
+(`TabFMClassifier` / `TabFMRegressor` with the training rows as context): before training and
+every `eval_every` steps. Every improvement of the held-out score (log-loss for classification,
+RMSE / std(y) for regression, averaged over tables) exports the weights to OUT/export; after
+`patience` evaluations without one, training stops. The engine is the pretraining one: the
+same plugins (`build_plugin`), the same `Trainer` (logs, checkpoints, exact resume; rerunning
+the same call resumes from OUT/checkpoints). The early-stopping record travels inside the data
+state of every checkpoint, so it resumes with the weights it belongs to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from data.readers import read_tables
+from data.table_episodes import (
+    CATEGORICAL_MODES, CLASSIFICATION, PREDICTION_TASKS, EpisodeConfig, EpisodeTable,
+    TableEpisodeSampler, holdout_split, infer_task,
+)
+from parallel import Booster, Plugin, latest_checkpoint
+from parallel.launch import barrier, seed_for_rank
+from synth.stream import StreamConfig, SynthStream
+from tabfm.model import ModelConfig, TabFM, masked_cell_loss
+from tabfm.train.config import PLUGINS, PRECISIONS
+from tabfm.train.optim import OPTIMIZERS, build_optimizer, warmup_cosine
+from tabfm.train.pretrain import TRAIN_CONFIG, announce_resume, build_plugin, export_config, warm_start
+from tabfm.train.trainer import Trainer, TrainResult
+
+SUMMARY_FILE = "finetune_summary.json"
+HOLDOUT_FILE = "holdout_rows.json"
+RUN_KEYS = ("target", "task", "init", "seed", "holdout", "optimizer", "categorical")  # must match to resume
+_REPLAY = 3  # spawn-key domain of the per-position replay draw
+
+
+# --------------------------------------------------------------------------- configuration
+
+@dataclass
+class FinetuneConfig:
+    """A fine-tuning run on real tables. The command line overrides any field.
+
+    data           what to read (CSV, Parquet, directory or store); `finetune(data=...)` may pass a DataFrame
+    target, task   target column (a store's header may supply it) and "classification" | "regression"
+                   (None: inferred, as `tabfm predict` does)
+    init           starting weights: a shipped model name or an export directory
+    steps          optimizer steps of the whole run (and of the cosine schedule); max_minutes: this invocation
+    holdout        share of each table's rows held out for evaluation (stratified for classification);
+                   they never enter a training episode
+    replay         share of batches drawn from the synthetic prior stream `replay_stream` (limits forgetting)
+    min_rows .. categorical   episode shapes and mix (see data.table_episodes.EpisodeConfig)
+    eval_every     steps between held-out evaluations; patience: evaluations without an improvement of
+                   more than min_delta before stopping (0: never stop early)
+    eval_estimators, eval_rows, eval_context_rows   the evaluation's ensemble size, held-out rows scored per
+                   table (a fixed random subset beyond), and context rows (the estimators' max_context_rows)
+    plugin         engine plugin: single | ddp | zero | fsdp (the distributed ones under torchrun)
+    """
+
+    data: str | None = None
+    target: str | None = None
+    task: str | None = None
+    init: str = "tabfm-tiny"
+    steps: int = 300
+    max_minutes: float | None = None
+    threads: int | None = None
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    muon_lr: float = 0.002
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    precision: str = "bf16"
+    grad_accum: int = 1
+    seed: int = 0
+    holdout: float = 0.2
+    replay: float = 0.0
+    replay_stream: str = "pretrain"
+    min_rows: int = 32
+    max_rows: int = 512
+    cells_per_batch: int = 16384
+    max_batch: int = 32
+    max_columns: int = 100
+    context_fraction: tuple[float, float] = (0.3, 0.9)
+    mask_fraction: tuple[float, float] = (0.05, 0.3)
+    imputation: float = 0.2
+    categorical: str = "ordinal"
+    eval_every: int = 25
+    patience: int = 4
+    min_delta: float = 1e-4
+    eval_estimators: int = 4
+    eval_rows: int = 2048
+    eval_context_rows: int = 2048
+    log_every: int = 5
+    ckpt_every: int = 25
+    keep_last: int = 2
+    device: str | None = None
+    plugin: str = "single"
+    zero_stage: int = 1
+
+    PRESETS = {
+        # a few hundred steps of ~16k cells: minutes on 2 CPU cores for the tiny model
+        "default": {},
+        # longer runs for larger tables: more steps, sparser evaluation
+        "long": dict(steps=2000, eval_every=100, ckpt_every=100, warmup_steps=50, patience=5),
+        # seconds: tests and a first look
+        "smoke": dict(steps=8, warmup_steps=1, eval_every=4, ckpt_every=4, log_every=2, min_rows=8, max_rows=64,
+                      cells_per_batch=1024, max_batch=8, eval_estimators=1, precision="fp32"),
+    }
+
+    @classmethod
+    def preset(cls, name: str = "default", **overrides: Any) -> "FinetuneConfig":
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown FinetuneConfig preset {name!r}; choose from {', '.join(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+    def replace(self, **changes: Any) -> "FinetuneConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def episode_config(self, max_classes: int) -> EpisodeConfig:
+        """The episode settings, for a model whose categorical head scores `max_classes` codes."""
+        return EpisodeConfig(min_rows=self.min_rows, max_rows=self.max_rows, cells_per_batch=self.cells_per_batch,
+                             max_batch=self.max_batch, max_columns=self.max_columns, max_classes=max_classes,
+                             context_fraction=self.context_fraction, mask_fraction=self.mask_fraction,
+                             imputation=self.imputation, categorical=self.categorical)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"FinetuneConfig.{name} = {getattr(self, name)!r}: {what}")
+
+        def integer(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last", "eval_estimators",
+                     "eval_rows", "eval_context_rows"):
+            need(integer(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("warmup_steps", "seed", "patience"):
+            need(integer(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
+        need(self.task is None or self.task in PREDICTION_TASKS, "task", f"must be one of {PREDICTION_TASKS} or None")
+        need(isinstance(self.init, str) and bool(self.init), "init", "must name a shipped model or an export directory")
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+        need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
+        need(self.plugin in PLUGINS, "plugin", f"must be one of {', '.join(PLUGINS)}")
+        need(self.zero_stage in (1, 2), "zero_stage", "must be 1 or 2 (ZeRO-3 is --plugin fsdp)")
+        need(self.categorical in CATEGORICAL_MODES, "categorical", f"must be one of {CATEGORICAL_MODES}")
+        need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
+        need(0.0 < self.holdout < 1.0, "holdout", "must be a fraction in (0, 1): fine-tuning is judged on held-out rows")
+        need(0.0 <= self.replay < 1.0, "replay", "must be a fraction in [0, 1)")
+        need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self.clip > 0, "clip", "must be > 0")
+        need(self.min_delta >= 0, "min_delta", "must be >= 0")
+        need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
+        need(self.threads is None or (integer(self.threads) and self.threads >= 1), "threads", "must be None or an integer >= 1")
+        StreamConfig.preset(self.replay_stream)  # raises naming the presets
+        try:
+            self.episode_config(max_classes=10)
+        except ValueError as err:
+            raise ValueError(f"FinetuneConfig: {err}".replace("EpisodeConfig.", "")) from None
+
+
+# --------------------------------------------------------------------------- the user's tables
+
+@dataclass
+class FinetuneTable:
+    """One user table, split: training rows (as episodes) and held-out rows (for evaluation only)."""
+
+    name: str
+    source: str
+    target: str
+    task: str
+    classes: list | None               # classification: the labels, code i <-> classes[i]
+    train_rows: np.ndarray             # row positions in the table as read (rows without a target excluded)
+    holdout_rows: np.ndarray
+    eval_rows: np.ndarray              # the held-out rows scored (all, or a fixed subset of eval_rows)
+    train_X: pd.DataFrame
+    train_y: np.ndarray
+    eval_X: pd.DataFrame
+    eval_y: np.ndarray
+    episodes: EpisodeTable
+    dropped: int                       # rows without a target value (used nowhere)
+    fingerprint: str
+
+
+def _fingerprint(frame: pd.DataFrame) -> str:
+    """A short content hash of a table (shape, columns and cells), so a resumed run sees the same data."""
+    h = hashlib.sha1(json.dumps([list(map(str, frame.columns)), list(frame.shape)]).encode())
+    try:
+        h.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
+    except TypeError:  # unhashable cells (lists, dicts): fall back to their text
+        h.update(frame.astype(str).to_csv(index=False).encode())
+    return h.hexdigest()[:16]
+
+
+def _prepare(t: Any, cfg: FinetuneConfig) -> FinetuneTable:
+    """Split one SourceTable into training episodes and held-out evaluation rows; errors name the file."""
+    frame = t.frame.reset_index(drop=True)
+    if t.target is None:
+        names = ", ".join(map(str, frame.columns[:40])) + (f", ... ({frame.shape[1] - 40} more)" if frame.shape[1] > 40 else "")
+        raise ValueError(f"{t.source}: no target column given; pass --target (columns: {names})")
+    y_all = frame[t.target]
+    known = np.flatnonzero(y_all.notna().to_numpy())
+    if known.size == 0:
+        raise ValueError(f"{t.source}: target column {t.target!r} has no values (all {len(frame)} missing)")
+    y = y_all.iloc[known]
+    task = t.task or infer_task(y)
+    if task not in PREDICTION_TASKS:
+        raise ValueError(f"{t.source}: task {task!r}: fine-tuning needs a classification or regression target")
+    features = frame.drop(columns=[t.target])
+    if features.shape[1] == 0:
+        raise ValueError(f"{t.source}: no feature columns besides the target {t.target!r}")
+
+    classes, strata = None, None
+    if task == CLASSIFICATION:
+        try:
+            labels, codes = np.unique(y.to_numpy(), return_inverse=True)
+        except TypeError:
+            raise ValueError(f"{t.source}: target column {t.target!r} mixes label types that cannot be sorted; "
+                             "cast it to one type") from None
+        if len(labels) < 2:
+            raise ValueError(f"{t.source}: target column {t.target!r} has a single class {labels[0]!r}: nothing to learn")
+        values, classes, strata = codes.astype(np.float64), labels.tolist(), codes
+    else:
+        numeric = pd.to_numeric(y, errors="coerce")
+        if numeric.isna().any():
+            bad = y[numeric.isna()].iloc[0]
+            raise ValueError(f"{t.source}: regression target {t.target!r} holds {bad!r}, which is not a number "
+                             "(use --task classification for labels)")
+        values = numeric.to_numpy(dtype=np.float64)
+        if not np.isfinite(values).all() or np.abs(values).max() > np.finfo(np.float32).max:
+            raise ValueError(f"{t.source}: regression target {t.target!r} holds infinite or huge values")
+
+    train_i, hold_i = holdout_split(len(known), cfg.holdout, cfg.seed, strata, stream=zlib.crc32(t.name.encode()))
+    if len(train_i) < 2 or len(hold_i) < 1:
+        raise ValueError(f"{t.source}: {len(known)} rows with a target are too few to hold out {cfg.holdout:.0%} "
+                         "of them and train on the rest")
+    eval_i = hold_i
+    if len(hold_i) > cfg.eval_rows:
+        rng = np.random.default_rng([cfg.seed, zlib.crc32(t.name.encode()), 1])
+        eval_i = np.sort(rng.choice(hold_i, cfg.eval_rows, replace=False))
+    train_X = features.iloc[known[train_i]].reset_index(drop=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            episodes, _ = EpisodeTable.encode(t.name, train_X, values[train_i], task, known[train_i],
+                                              n_classes=len(classes) if classes else None)
+    except ValueError as err:
+        raise ValueError(f"{t.source}: {err}") from None
+    raw_y = y.to_numpy()
+    return FinetuneTable(
+        name=t.name, source=t.source, target=t.target, task=task, classes=classes,
+        train_rows=known[train_i], holdout_rows=known[hold_i], eval_rows=known[eval_i],
+        train_X=train_X, train_y=raw_y[train_i] if task == CLASSIFICATION else values[train_i],
+        eval_X=features.iloc[known[eval_i]].reset_index(drop=True),
+        eval_y=raw_y[eval_i] if task == CLASSIFICATION else values[eval_i],
+        episodes=episodes, dropped=int(len(frame) - known.size), fingerprint=_fingerprint(frame),
+    )
+
+
+def load_tables(source: Any, cfg: FinetuneConfig) -> list[FinetuneTable]:
+    """Read every table of `source` and split it for fine-tuning (see `FinetuneConfig`)."""
+    return [_prepare(t, cfg) for t in read_tables(source, target=cfg.target, task=cfg.task)]
+
+
+# --------------------------------------------------------------------------- held-out evaluation
+
+def _finite(x: float) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+class HoldoutEval:
+    """Scores a model in context on each table's held-out rows, exactly as the estimators use it:
+    `TabFMClassifier` / `TabFMRegressor` fitted on the training rows (the context), predicting the
+    held-out rows. Metrics per table: log-loss, accuracy, ROC-AUC (one-vs-rest for multiclass) or
+    RMSE, R^2; `score` = mean over tables of log-loss or RMSE / std(training y). Lower is better."""
+
+    def __init__(self, tables: list[FinetuneTable], cfg: FinetuneConfig) -> None:
+        from tabfm.estimators import TabFMClassifier, TabFMRegressor  # sklearn-heavy: only when evaluating
+
+        self.tables = tables
+        self.estimators = []
+        for t in tables:
+            kind = TabFMClassifier if t.task == CLASSIFICATION else TabFMRegressor
+            est = kind(n_estimators=cfg.eval_estimators, random_state=cfg.seed, precision="fp32",
+                       max_context_rows=cfg.eval_context_rows, max_columns=cfg.max_columns)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.estimators.append(est.fit(t.train_X, t.train_y))  # encodes the context once; no model yet
+
+    def __call__(self, model: nn.Module) -> dict[str, float]:
+        from sklearn.metrics import accuracy_score, log_loss, r2_score, roc_auc_score
+
+        device = str(next(model.parameters()).device)
+        out: dict[str, float] = {}
+        scores = []
+        for t, est in zip(self.tables, self.estimators):
+            est.set_params(model=model, device=device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                if t.task == CLASSIFICATION:
+                    proba = est.predict_proba(t.eval_X)
+                    labels = est.classes_
+                    ll = float(log_loss(t.eval_y, np.clip(proba, 1e-15, 1.0), labels=labels))
+                    auc = float("nan")
+                    present = np.unique(t.eval_y)
+                    if len(present) == len(labels) == 2:
+                        auc = float(roc_auc_score(t.eval_y == labels[1], proba[:, 1]))
+                    elif len(present) == len(labels):
+                        auc = float(roc_auc_score(t.eval_y, proba, multi_class="ovr", labels=labels))
+                    out.update({f"{t.name}/logloss": ll, f"{t.name}/accuracy": float(accuracy_score(
+                        t.eval_y, labels[proba.argmax(1)])), f"{t.name}/roc_auc": auc})
+                    scores.append(ll)
+                else:
+                    pred = est.predict(t.eval_X)
+                    rmse = float(np.sqrt(np.mean((pred - t.eval_y) ** 2)))
+                    scale = float(np.std(t.train_y)) or 1.0
+                    out.update({f"{t.name}/rmse": rmse, f"{t.name}/nrmse": rmse / scale,
+                                f"{t.name}/r2": float(r2_score(t.eval_y, pred)) if len(t.eval_y) > 1 else float("nan")})
+                    scores.append(rmse / scale)
+            est.set_params(model="tabfm-tiny")  # do not keep a reference to the training module
+        out["score"] = float(np.mean(scores))
+        return out
+
+
+# --------------------------------------------------------------------------- early stopping
+
+class BestKeeper:
+    """Keeps the best held-out score: exports the weights at every improvement, and stops the
+    Trainer (by ending its run at the current step) after `patience` evaluations without one.
+
+    Its state is small and JSON-only; `FinetuneData` carries it inside every checkpoint."""
+
+    def __init__(self, patience: int, min_delta: float, log: Callable[[str], None] | None = None) -> None:
+        self.patience, self.min_delta, self.log = patience, min_delta, log
+        self.trainer: Trainer | None = None
+        self.export: Callable[[int, dict[str, float]], None] | None = None
+        self.initial: dict[str, float] | None = None
+        self.best: dict[str, float] | None = None
+        self.best_step = -1
+        self.bad_evals = 0
+        self.stopped = False
+        self.last_step = -1
+
+    def bind(self, trainer: Trainer, export: Callable[[int, dict[str, float]], None]) -> None:
+        self.trainer, self.export = trainer, export
+
+    def update(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Record one evaluation at the Trainer's current step; return what to log beside it."""
+        step = self.trainer.step if self.trainer is not None else 0
+        score = metrics["score"]
+        if self.initial is None:
+            self.initial = dict(metrics)
+        improved = self.best is None or score < self.best["score"] - self.min_delta
+        if improved:
+            self.best, self.best_step, self.bad_evals = dict(metrics), step, 0
+            if self.export is not None:
+                self.export(step, metrics)
+        else:
+            self.bad_evals += 1
+            if self.patience and self.bad_evals >= self.patience:
+                self.stopped = True
+                if self.trainer is not None:
+                    self.trainer.steps = self.trainer.step  # the loop ends after this step; the Trainer then saves
+        self.last_step = step
+        if self.log is not None:
+            flag = " *" if improved else (f"  (stopping: {self.bad_evals} evaluations without improvement)"
+                                          if self.stopped else "")
+            self.log(f"step {step:>5}: held-out score {score:.4f}  best {self.best['score']:.4f} "
+                     f"at step {self.best_step}{flag}")
+        return {"best_score": self.best["score"], "best_step": float(self.best_step), "improved": float(improved)}
+
+    def state_dict(self) -> dict[str, Any]:
+        def clean(d: dict[str, float] | None) -> dict[str, float | None] | None:
+            return None if d is None else {k: _finite(v) for k, v in d.items()}
+
+        return {"initial": clean(self.initial), "best": clean(self.best), "best_step": self.best_step,
+                "bad_evals": self.bad_evals, "stopped": self.stopped, "last_step": self.last_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        def restore(d: dict[str, Any] | None) -> dict[str, float] | None:
+            return None if d is None else {k: float("nan") if v is None else float(v) for k, v in d.items()}
+
+        self.initial, self.best = restore(state["initial"]), restore(state["best"])
+        self.best_step, self.bad_evals = int(state["best_step"]), int(state["bad_evals"])
+        self.last_step = int(state["last_step"])
+        # judged by this run's patience: rerunning an early-stopped run with a larger --patience continues it
+        self.stopped = bool(self.patience) and self.bad_evals >= self.patience
+
+
+# --------------------------------------------------------------------------- the batches
+
+class FinetuneData:
+    """The batches fine-tuning trains on: episodes of the user's tables, and with probability
+    `replay` (drawn per position from the seed, the same on every rank) a batch of the synthetic
+    prior stream instead. Resumable by position; the early-stopping record rides in the state so
+    every checkpoint holds the record that belongs to its weights."""
+
+    def __init__(self, sampler: TableEpisodeSampler, keeper: BestKeeper, replay: float = 0.0,
+                 replay_stream: SynthStream | None = None, seed: int = 0) -> None:
+        if replay > 0 and replay_stream is None:
+            raise ValueError("replay > 0 needs a replay_stream")
+        self.sampler, self.keeper, self.replay, self.replay_stream, self.seed = sampler, keeper, replay, replay_stream, seed
+        self.position = 0
+
+    def is_replay(self, position: int) -> bool:
+        if self.replay <= 0:
+            return False
+        rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_REPLAY, position)))
+        return bool(rng.random() < self.replay)
+
+    def batch_at(self, position: int):
+        if self.is_replay(position):
+            return self.replay_stream.batch_at(position)
+        return self.sampler.batch_at(position)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            batch = self.batch_at(self.position)
+            self.position += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "position": self.position, "early_stopping": self.keeper.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"state was saved with seed {state['seed']}, this run has seed {self.seed}")
+        self.position = int(state["position"])
+        self.keeper.load_state_dict(state["early_stopping"])
+
+
+# --------------------------------------------------------------------------- the run
+
+@dataclass
+class FinetuneResult:
+    """What a fine-tuning run reached; `summary` is what OUT/finetune_summary.json holds."""
+
+    out_dir: Path
+    step: int
+    stopped: str  # "steps" | "time" | "early_stop" | "finished" (an earlier invocation had ended the run)
+    best_step: int
+    initial: dict[str, float]
+    best: dict[str, float]
+    export: Path
+    wall_s: float
+    summary: dict[str, Any] = field(default_factory=dict)
+    train: TrainResult | None = None
+
+    def table(self) -> str:
+        return format_summary(self.summary)
+
+
+def _init_model(init: str) -> tuple[ModelConfig, str | None]:
+    """The model config of the starting weights and its preset name (None for a custom config)."""
+    from tabfm.weights import CONFIG_FILE, ModelNotFoundError, resolve_model_path
+
+    try:
+        path = resolve_model_path(init)
+    except ModelNotFoundError as err:
+        raise ValueError(f"--init {init}: {err}") from None
+    header = json.loads((path / CONFIG_FILE).read_text())
+    if not isinstance(header, dict) or not isinstance(header.get("model"), dict):
+        raise ValueError(f"--init {init}: {path / CONFIG_FILE} has no 'model' section; is it a tabfm export?")
+    model_cfg = ModelConfig.from_dict(header["model"])
+    preset = header.get("preset")
+    try:
+        same = isinstance(preset, str) and ModelConfig.preset(preset).to_dict() == model_cfg.to_dict()
+    except ValueError:
+        same = False
+    return model_cfg, preset if same else None
+
+
+def _run_record(cfg: FinetuneConfig, source: Any, tables: list[FinetuneTable], preset: str | None) -> dict[str, Any]:
+    """train_config.json: the config, the data it read, and "model" (the preset name, as `tabfm export` reads)."""
+    record = cfg.to_dict()
+    record.update(recipe="finetune", model=preset,
+                  data=cfg.data if cfg.data is not None else (str(source) if isinstance(source, (str, os.PathLike))
+                                                              else f"<{type(source).__name__}>"),
+                  tables=[{"name": t.name, "source": t.source, "target": t.target, "task": t.task,
+                           "fingerprint": t.fingerprint} for t in tables])
+    return record
+
+
+def _check_same_run(out: Path, record: dict[str, Any]) -> None:
+    """Refuse to resume a run in `out` that read other data or used another split, init or optimizer."""
+    path = out / TRAIN_CONFIG
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    if saved.get("recipe") != "finetune":
+        raise ValueError(f"{out} holds a run that is not a fine-tuning run; use another --out")
+
+    def content(r: dict[str, Any]) -> list:  # the tables by content, wherever the files now lie
+        return [{k: t.get(k) for k in ("name", "target", "task", "fingerprint")} for t in r.get("tables") or []]
+
+    for key in (*RUN_KEYS, "tables"):
+        if (content(saved) != content(record)) if key == "tables" else (saved.get(key) != record.get(key)):
+            what = "the tables' content" if key == "tables" else f"{key}={saved.get(key)!r}"
+            now = "" if key == "tables" else f", this one has {key}={record.get(key)!r}"
+            raise ValueError(f"{out} holds a fine-tuning run with {what}{now}; use another --out or the same "
+                             "settings and data to resume")
+
+
+def _tables_info(tables: list[FinetuneTable]) -> list[dict[str, Any]]:
+    return [{"name": t.name, "source": t.source, "target": t.target, "task": t.task,
+             "classes": None if t.classes is None else [str(c) for c in t.classes],
+             "train_rows": int(len(t.train_rows)), "holdout_rows": int(len(t.holdout_rows)),
+             "eval_rows": int(len(t.eval_rows)), "dropped_rows_without_target": t.dropped,
+             "columns": int(t.train_X.shape[1])} for t in tables]
+
+
+def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin: Plugin | None = None,
+             progress: bool = True) -> FinetuneResult:
+    """Fine-tune (or resume, when out_dir holds checkpoints), export the best weights to out_dir/export,
+    write out_dir/finetune_summary.json and return the result.
+
+    `data` overrides `cfg.data` (a path, DataFrame, {name: DataFrame} or list: whatever
+    `data.readers.read_tables` reads). `plugin` defaults to `build_plugin(cfg)`. Under torchrun
+    call this on every rank."""
+    start = time.perf_counter()
+    out = Path(out_dir)
+    source = data if data is not None else cfg.data
+    if source is None:
+        raise ValueError("no data to fine-tune on: pass --data PATH (FinetuneConfig.data) or finetune(data=...)")
+    plug = plugin if plugin is not None else build_plugin(cfg)
+    main = plug.is_main_process
+    talk = main and progress
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+
+    tables = load_tables(source, cfg)  # every rank reads and splits the same way
+    model_cfg, preset = _init_model(cfg.init)
+    record = _run_record(cfg, source, tables, preset)
+    _check_same_run(out, record)  # every rank reads the old train_config.json ...
+    barrier()  # ... before the main process replaces it
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / TRAIN_CONFIG).write_text(json.dumps(record, indent=2))
+        (out / HOLDOUT_FILE).write_text(json.dumps(
+            {t.name: {"source": t.source, "rows": t.holdout_rows.tolist()} for t in tables}))
+    if talk:
+        for info in _tables_info(tables):
+            classes = f", {len(info['classes'])} classes" if info["classes"] else ""
+            print(f"{info['name']}: {info['task']} of {info['target']!r}{classes}; {info['train_rows']} training rows, "
+                  f"{info['holdout_rows']} held out ({info['eval_rows']} scored), {info['columns']} feature columns"
+                  + (f"; {info['dropped_rows_without_target']} rows without a target skipped"
+                     if info["dropped_rows_without_target"] else ""), flush=True)
+
+    torch.manual_seed(cfg.seed)
+    model = TabFM(model_cfg)
+    if latest_checkpoint(out / "checkpoints") is None:
+        warm_start(model, cfg.init)
+    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+    booster = Booster(plug, precision=cfg.precision)
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
+        torch.manual_seed(seed_for_rank(cfg.seed, plug.dp_rank))
+
+    from tqdm.auto import tqdm
+
+    keeper = BestKeeper(cfg.patience, cfg.min_delta, log=tqdm.write if talk else None)
+    sampler = TableEpisodeSampler([t.episodes for t in tables], cfg.episode_config(model_cfg.max_categories),
+                                  seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
+    replay = None
+    if cfg.replay > 0:
+        replay = SynthStream(StreamConfig.preset(cfg.replay_stream), seed=cfg.seed, rank=plug.dp_rank,
+                             world_size=plug.dp_world_size)
+    stream = FinetuneData(sampler, keeper, cfg.replay, replay, cfg.seed)
+    holdout = HoldoutEval(tables, cfg)
+
+    def evaluate(module: nn.Module) -> dict[str, float]:
+        metrics = holdout(module)
+        return {**metrics, **keeper.update(metrics)}
+
+    trainer = Trainer(
+        booster, model, optimizer, scheduler, masked_cell_loss, stream, out,
+        steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
+        ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
+        evaluators={"holdout": evaluate}, eval_every=cfg.eval_every, export_config=None, progress=progress,
+    )
+
+    def export(step: int, metrics: dict[str, float]) -> None:
+        info = {"step": step, "holdout": {k: _finite(v) for k, v in metrics.items()}, "init": cfg.init}
+        booster.export(trainer.model, out / "export", export_config(model_cfg, record, preset=preset, finetune=info))
+
+    keeper.bind(trainer, export)
+    if trainer.resume():
+        announce_resume(out, trainer, plug, cfg.seed)
+    if keeper.initial is None:  # a fresh run: score (and export, as the first best) the starting weights
+        trainer.evaluate()
+
+    train_result = None
+    if keeper.stopped or trainer.step >= trainer.steps:
+        stopped = "finished"
+        if trainer.log is not None:
+            trainer.log.close()  # fit() would have closed it
+        if talk:
+            print(f"{out}: the run had already ended at step {trainer.step}; nothing to train", flush=True)
+    else:
+        train_result = trainer.fit()
+        if keeper.last_step == trainer.step and trainer.step % cfg.eval_every:
+            trainer.save()  # the final evaluation ran after the last checkpoint: keep its record with it
+        stopped = "early_stop" if keeper.stopped else train_result.stopped
+
+    summary = {
+        "out": str(out), "init": cfg.init, "data": record["data"], "tables": _tables_info(tables),
+        "step": trainer.step, "steps": cfg.steps, "stopped": stopped, "best_step": keeper.best_step,
+        "before": {"step": 0, **{k: _finite(v) for k, v in keeper.initial.items()}},
+        "best": {"step": keeper.best_step, **{k: _finite(v) for k, v in keeper.best.items()}},
+        "export": str(out / "export"), "wall_s": time.perf_counter() - start,
+    }
+    if main:
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    result = FinetuneResult(out, trainer.step, stopped, keeper.best_step, keeper.initial, keeper.best,
+                            out / "export", summary["wall_s"], summary, train_result)
+    if talk:
+        print(result.table(), flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------- the summary table
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The before/after table: held-out metrics of the starting weights and of the best step."""
+    before, best = summary["before"], summary["best"]
+    keys = [k for k in before if k != "step"]
+    width = max([len(k) for k in keys] + [24])
+
+    def cell(v: Any) -> str:
+        return f"{v:>12.4f}" if isinstance(v, (int, float)) else f"{'-':>12}"
+
+    lines = [
+        "",
+        f"  fine-tuned {summary['out']} from {summary['init']} on {summary['data']}",
+        f"  steps {summary['step']}/{summary['steps']} (stopped: {summary['stopped']}), best step {summary['best_step']}, "
+        f"wall {summary['wall_s'] / 60:.1f} min, export {summary['export']}",
+        "",
+        f"  {'held-out':<{width}}{'step 0':>12}{'best':>12}{'change':>12}",
+    ]
+    for k in keys:
+        a, b = before.get(k), best.get(k)
+        change = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
+        lines.append(f"  {k:<{width}}{cell(a)}{cell(b)}{cell(change) if change is not None else cell(None)}")
+    return "\n".join(lines)
