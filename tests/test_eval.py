@@ -828,3 +828,18 @@ def test_imputer_baselines_beat_the_mean_on_correlated_data():
         assert scores[name]["rmse"] < scores["mean_mode"]["rmse"] - 0.1, scores
     for name in ["knn", "mice", "missforest"]:
         assert scores[name]["cat_accuracy"] > scores["mean_mode"]["cat_accuracy"] + 0.2, scores
+
+
+def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypatch):
+    """Cached TabFM scores are keyed by the weights' hash and the estimator's parameters, so a
+    changed default recomputes them instead of serving stale results."""
+    from tabfm.commands.eval import tabfm_methods
+    from tabfm.estimators.base import SupervisedTabFMEstimator
+
+    before = tabfm_methods()["classification"]["tabfm"].version
+    assert set(before) == {"tabfm", "params"}
+    defaults = SupervisedTabFMEstimator.__init__.__defaults__
+    assert defaults[-1] == "ordinal"
+    monkeypatch.setattr(SupervisedTabFMEstimator.__init__, "__defaults__", defaults[:-1] + ("identity",))
+    after = tabfm_methods()["classification"]["tabfm"].version
+    assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]

@@ -38,13 +38,21 @@ def tabfm_methods(model: str = "tabfm-tiny") -> dict[str, dict[str, Any]]:
     from eval.runner import Method
     from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
 
-    version = {"tabfm": hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]}
+    weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]
     where = str(path)
+
+    def method(make: Any, wrap: Any = None) -> Any:
+        """The estimator's parameters (not the weights' path) are part of its version, so
+        changing a default (e.g. how categorical features are shown) recomputes its scores."""
+        params = {k: v for k, v in sorted(make().get_params().items()) if k != "model"}
+        version = {"tabfm": weights, "params": hashlib.sha256(repr(params).encode()).hexdigest()[:12]}
+        return Method((lambda: wrap(make())) if wrap else make, version)
+
     return {
-        "classification": {"tabfm": Method(lambda: TabFMClassifier(model=where, random_state=0), version)},
-        "regression": {"tabfm": Method(lambda: TabFMRegressor(model=where, random_state=0), version)},
-        "imputation": {"tabfm": Method(lambda: TabFMImputer(model=where, random_state=0), version)},
-        "anomaly": {"tabfm": Method(lambda: Negated(TabFMAnomalyDetector(model=where, random_state=0)), version)},
+        "classification": {"tabfm": method(lambda: TabFMClassifier(model=where, random_state=0))},
+        "regression": {"tabfm": method(lambda: TabFMRegressor(model=where, random_state=0))},
+        "imputation": {"tabfm": method(lambda: TabFMImputer(model=where, random_state=0))},
+        "anomaly": {"tabfm": method(lambda: TabFMAnomalyDetector(model=where, random_state=0), Negated)},
     }
 
 
