@@ -445,13 +445,13 @@ def encoded_cols(header_or_kinds: Any) -> int:
 
 # --------------------------------------------------------------------------- loader
 class _PlanDataset(Dataset):
-    """Map-style dataset whose keys are BatchPlans: loads the plan's tables and applies the plan."""
+    """Map-style dataset whose keys are BatchPlans: loads the plan's tables and builds the batch (apply_plan)."""
 
-    def __init__(self, load: Callable[[int], Any]):
-        self.load = load
+    def __init__(self, load: Callable[[int], Any], build: Callable[[BatchPlan, list], Any] = apply_plan):
+        self.load, self.build = load, build
 
     def __getitem__(self, plan: BatchPlan) -> TableBatch:
-        return apply_plan(plan, [self.load(i) for i in plan.indices])
+        return self.build(plan, [self.load(i) for i in plan.indices])
 
 
 def _identity(item: Any) -> Any:
@@ -464,17 +464,21 @@ class BucketedTableLoader:
     Yields TableBatches (or (BatchPlan, TableBatch) with return_plans=True) for the rest of the
     sampler's current epoch, in plan order whatever num_workers is. It counts the batches it
     hands out (workers run ahead), so `state_dict()` resumes exactly, with any number of
-    workers. Keyword arguments go to the DataLoader (num_workers, prefetch_factor, ...).
+    workers. `build(plan, tables)` turns a plan and its loaded tables into the batch (default
+    `apply_plan`; it runs in the workers and must be a pure function of its arguments, e.g. to
+    pose per-table training episodes seeded by the plan). Keyword arguments go to the
+    DataLoader (num_workers, prefetch_factor, ...).
     """
 
     def __init__(self, sampler: BucketedTableSampler, load: Callable[[int], Any], return_plans: bool = False,
-                 **loader_kwargs: Any):
+                 build: Callable[[BatchPlan, list], Any] = apply_plan, **loader_kwargs: Any):
         for key in ("batch_size", "collate_fn", "sampler", "batch_sampler", "shuffle"):
             if key in loader_kwargs:
                 raise ValueError(f"BucketedTableLoader plans its own batches: do not pass {key}")
         if loader_kwargs.get("persistent_workers"):
             raise ValueError("BucketedTableLoader restarts workers at the resume point: persistent_workers is not supported")
         self.sampler, self.load, self.return_plans, self.loader_kwargs = sampler, load, return_plans, loader_kwargs
+        self.build = build
 
     def __len__(self) -> int:
         """Batches left in the current epoch."""
@@ -490,7 +494,7 @@ class BucketedTableLoader:
         if not plans:
             return
         kwargs = {"generator": torch.Generator().manual_seed(s.seed), **self.loader_kwargs}
-        loader = DataLoader(_PlanDataset(self.load), sampler=plans, batch_size=None, collate_fn=_identity, **kwargs)
+        loader = DataLoader(_PlanDataset(self.load, self.build), sampler=plans, batch_size=None, collate_fn=_identity, **kwargs)
         for k, batch in enumerate(loader):
             s._advance(start + k + 1)
             yield (plans[k], batch) if self.return_plans else batch

@@ -20,6 +20,11 @@ batch size depend on (seed, p) only, so data-parallel ranks build batches of the
 episodes depend on the rank too, so ranks never duplicate work. All B episodes of a batch come
 from one table and have the same n rows, so they stack with `TableBatch.collate` without padding.
 Resuming needs only the next position (`state_dict`).
+
+`pose_episode` is the episode logic itself, on rows chosen by the caller: the table-store
+pretraining source (`data.store_episodes`) poses one episode per planned table with it. An
+`EpisodeTable` with task "imputation" has no target column (every column is a feature) and
+poses only imputation episodes.
 """
 from __future__ import annotations
 
@@ -89,9 +94,10 @@ class EpisodeTable:
     """The training rows of one real table, ready for episodes.
 
     x            float32 (n, C): encoded features, then the target as the last column
+                 (task "imputation": features only, no target column)
     kind         int8 (C,): data.batch NUMERIC / CATEGORICAL per column (target included)
     cardinality  int64 (C,): categories per column (classes for a classification target)
-    task         "classification" | "regression"
+    task         "classification" | "regression" | "imputation" (a table without a target)
     rows         int64 (n,): each row's position in the source table (for audits: which rows trained)
     """
 
@@ -110,9 +116,21 @@ class EpisodeTable:
     def n_cols(self) -> int:
         return int(self.x.shape[1])
 
+    @property
+    def n_features(self) -> int:
+        """Feature columns (all columns but the target; all of them for an imputation table)."""
+        return self.n_cols - (self.task != IMPUTATION)
+
     def __post_init__(self) -> None:
+        if self.task == IMPUTATION:
+            if self.x.ndim != 2 or self.x.shape[0] < 1 or self.x.shape[1] < 1:
+                raise ValueError(f"table {self.name!r}: an imputation table needs at least 1 row and 1 column, "
+                                 f"got shape {self.x.shape}")
+            if len(self.kind) != self.n_cols or len(self.cardinality) != self.n_cols or len(self.rows) != self.n_rows:
+                raise ValueError(f"table {self.name!r}: kind, cardinality and rows do not match x of shape {self.x.shape}")
+            return
         if self.task not in PREDICTION_TASKS:
-            raise ValueError(f"table {self.name!r}: task {self.task!r} is not one of {PREDICTION_TASKS}")
+            raise ValueError(f"table {self.name!r}: task {self.task!r} is not one of {PREDICTION_TASKS + (IMPUTATION,)}")
         if self.x.ndim != 2 or self.x.shape[1] < 2 or self.x.shape[0] < 2:
             raise ValueError(f"table {self.name!r}: needs at least 2 training rows and 1 feature column besides "
                              f"the target, got shape {self.x.shape}")
@@ -193,6 +211,61 @@ class EpisodeConfig:
         return dataclasses.replace(self, **changes)
 
 
+# --------------------------------------------------------------------------- one episode
+
+def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cfg: EpisodeConfig,
+                 rng: np.random.Generator) -> TableBatch:
+    """One episode of `task` on rows `take` (positions in `table.x`, in that order): a one-table TableBatch.
+
+    cols: columns the episode shows (target included for prediction tables); a wider table shows
+    `cols` random feature columns (`cols - 1` plus the target for a prediction table). Categorical
+    codes (target classes included) are relabelled, more classes than `cfg.max_classes` merged
+    into random groups; prediction episodes hide the target on a random share of the rows
+    (`cfg.context_fraction` are context), imputation episodes a random share of the observed
+    cells (`cfg.mask_fraction`). Prediction needs at least 2 rows and a prediction table.
+    """
+    if task != IMPUTATION and (table.task == IMPUTATION or len(take) < 2):
+        raise ValueError(f"table {table.name!r}: a {task} episode needs a prediction table and at least 2 rows "
+                         f"(table task {table.task!r}, {len(take)} rows)")
+    has_target = table.task != IMPUTATION
+    n, n_feat = len(take), table.n_features
+    n_show = cols - 1 if has_target else cols
+    feats = np.sort(rng.choice(n_feat, size=n_show, replace=False)) if n_show < n_feat else np.arange(n_feat)
+    columns = np.append(feats, n_feat) if has_target else feats  # the target stays last
+    cols = len(columns)
+    x = table.x[np.ix_(take, columns)].copy()
+    kind, card = table.kind[columns].copy(), table.cardinality[columns].copy()
+
+    # codes carry no meaning: relabel every categorical column (target classes included)
+    for j in np.flatnonzero((kind == CATEGORICAL) & (card >= 2)):
+        present = ~np.isnan(x[:, j])
+        x[present, j] = rng.permutation(int(card[j]))[x[present, j].astype(np.int64)]
+    if table.task == CLASSIFICATION and card[-1] > cfg.max_classes:  # more classes than the head: random groups
+        n_groups = math.ceil(int(card[-1]) / cfg.max_classes)
+        group = np.arange(int(card[-1])) * n_groups // int(card[-1])
+        x[:, -1] = group[x[:, -1].astype(np.int64)]
+        card[-1] = n_groups
+
+    context = np.ones(n, dtype=bool)
+    query = np.zeros((n, cols), dtype=bool)
+    if task == IMPUTATION:
+        observed = np.flatnonzero(~np.isnan(x).ravel())
+        lo, hi = cfg.mask_fraction
+        k = min(max(int(round(rng.uniform(lo, hi) * observed.size)), 1), observed.size)
+        query.ravel()[rng.choice(observed, size=k, replace=False)] = True
+    else:
+        lo, hi = cfg.context_fraction
+        n_ctx = int(np.clip(round(rng.uniform(lo, hi) * n), 1, n - 1))
+        context[:] = False
+        context[rng.permutation(n)[:n_ctx]] = True
+        query[~context, -1] = True
+        if cfg.categorical == "ordinal":  # as the estimators show features by default: codes read as numbers
+            cat_feat = kind[:-1] == CATEGORICAL
+            kind[:-1][cat_feat], card[:-1][cat_feat] = NUMERIC, 0
+    return TableBatch.from_table(torch.from_numpy(x), torch.from_numpy(kind), torch.from_numpy(card),
+                                 torch.from_numpy(context), torch.from_numpy(query))
+
+
 @dataclass(frozen=True)
 class EpisodeInfo:
     """What a batch holds beyond its tensors: its table, each episode's task and source rows."""
@@ -236,7 +309,7 @@ class TableEpisodeSampler:
         table = self.tables[t]
         lo, hi = min(self.cfg.min_rows, table.n_rows), min(self.cfg.max_rows, table.n_rows)
         rows = int(rng.integers(lo, hi + 1))
-        cols = min(table.n_cols - 1, self.cfg.max_columns) + 1
+        cols = min(table.n_features, self.cfg.max_columns) + (table.task != IMPUTATION)
         batch = int(np.clip(self.cfg.cells_per_batch // (rows * cols), 1, self.cfg.max_batch))
         return t, rows, cols, batch
 
@@ -260,44 +333,9 @@ class TableEpisodeSampler:
 
     def _episode(self, table: EpisodeTable, rng: np.random.Generator, n: int, cols: int
                  ) -> tuple[TableBatch, str, np.ndarray]:
-        cfg = self.cfg
-        task = IMPUTATION if rng.random() < cfg.imputation else table.task
+        task = IMPUTATION if rng.random() < self.cfg.imputation else table.task
         take = rng.choice(table.n_rows, size=n, replace=False)
-        n_feat = table.n_cols - 1
-        feats = np.sort(rng.choice(n_feat, size=cols - 1, replace=False)) if cols - 1 < n_feat else np.arange(n_feat)
-        columns = np.append(feats, n_feat)  # the target stays last
-        x = table.x[np.ix_(take, columns)].copy()
-        kind, card = table.kind[columns].copy(), table.cardinality[columns].copy()
-
-        # codes carry no meaning: relabel every categorical column (target classes included)
-        for j in np.flatnonzero((kind == CATEGORICAL) & (card >= 2)):
-            present = ~np.isnan(x[:, j])
-            x[present, j] = rng.permutation(int(card[j]))[x[present, j].astype(np.int64)]
-        if table.task == CLASSIFICATION and card[-1] > cfg.max_classes:  # more classes than the head: random groups
-            n_groups = math.ceil(int(card[-1]) / cfg.max_classes)
-            group = np.arange(int(card[-1])) * n_groups // int(card[-1])
-            x[:, -1] = group[x[:, -1].astype(np.int64)]
-            card[-1] = n_groups
-
-        context = np.ones(n, dtype=bool)
-        query = np.zeros((n, cols), dtype=bool)
-        if task == IMPUTATION:
-            observed = np.flatnonzero(~np.isnan(x).ravel())
-            lo, hi = cfg.mask_fraction
-            k = min(max(int(round(rng.uniform(lo, hi) * observed.size)), 1), observed.size)
-            query.ravel()[rng.choice(observed, size=k, replace=False)] = True
-        else:
-            lo, hi = cfg.context_fraction
-            n_ctx = int(np.clip(round(rng.uniform(lo, hi) * n), 1, n - 1))
-            context[:] = False
-            context[rng.permutation(n)[:n_ctx]] = True
-            query[~context, -1] = True
-            if cfg.categorical == "ordinal":  # as the estimators show features by default: codes read as numbers
-                cat_feat = kind[:-1] == CATEGORICAL
-                kind[:-1][cat_feat], card[:-1][cat_feat] = NUMERIC, 0
-        part = TableBatch.from_table(torch.from_numpy(x), torch.from_numpy(kind), torch.from_numpy(card),
-                                     torch.from_numpy(context), torch.from_numpy(query))
-        return part, task, table.rows[take]
+        return pose_episode(table, take, cols, task, self.cfg, rng), task, table.rows[take]
 
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[TableBatch]:

@@ -1,10 +1,14 @@
-"""`tabfm pretrain`: pretrain the table transformer on the synthetic stream (resumes from --out).
+"""`tabfm pretrain`: pretrain the table transformer on the synthetic stream or a table store (resumes from --out).
 
 One process:           tabfm pretrain --preset tiny --out runs/tiny
+From a table store:    tabfm pretrain --preset tiny --data corpus/ --out runs/tiny-corpus
 N processes (torchrun): torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin ddp --out runs/tiny
 
 Each data-parallel rank trains on its own batches of the stream's cells_per_batch cells, so the
 global batch is N times the single-process one; logged cells/s are global, losses rank averages.
+With --data STORE (a directory written by `tabfm synth --out` or data.store.write_table) batches
+are episodes posed on the store's tables, bucketed by size, each rank its own tables, epoch after
+epoch; the held-out synthetic evaluation still measures the prior.
 """
 from __future__ import annotations
 
@@ -24,12 +28,18 @@ _FIELDS = {
     "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "warmup_steps": int, "precision": str,
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
-    "eval_batches": int,
+    "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int,
+}
+_HELP = {
+    "data": "train on a table store directory (tabfm synth --out, data.store.write_table) instead of the "
+            "synthetic stream",
+    "data_cells_per_batch": "with --data: padded cells per batch and rank (default: the stream preset's)",
+    "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
 }
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("pretrain", help="pretrain on the synthetic stream", description=__doc__)
+    p = sub.add_parser("pretrain", help="pretrain on the synthetic stream or a table store", description=__doc__)
     p.add_argument("--preset", default="tiny", choices=sorted(PretrainConfig.PRESETS), help="training recipe (model size)")
     p.add_argument("--out", default=None, help="run directory (default runs/pretrain-PRESET); an existing run resumes")
     p.add_argument("--plugin", default="single", choices=PLUGINS,
@@ -41,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     for name, typ in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kwargs = {"choices": OPTIMIZERS} if name == "optimizer" else {"choices": PRECISIONS} if name == "precision" else {}
+        if name in _HELP:
+            kwargs["help"] = _HELP[name]
         p.add_argument(flag, dest=name, type=typ, default=None, **kwargs)
     return p
 

@@ -13,10 +13,17 @@ PLUGINS = ("single", "ddp", "zero", "fsdp")  # engine plugins a pretraining run 
 
 @dataclass
 class PretrainConfig:
-    """A pretraining run on the synthetic stream. The command line overrides any field.
+    """A pretraining run on the synthetic stream or a table store. The command line overrides any field.
 
     model          ModelConfig preset name (tiny | small | base)
-    stream         StreamConfig preset name of the synthetic stream
+    stream         StreamConfig preset name of the synthetic stream (with `data`: of the held-out
+                   synthetic evaluation only)
+    data           a table store directory (data.store.write_table, `tabfm synth --out`): when set,
+                   training batches are episodes posed on its tables (data.store_episodes) instead
+                   of the synthetic stream; held-out synthetic evaluation still measures the prior
+    data_cells_per_batch, data_max_batch
+                   with `data`: padded cells and tables per batch (per data-parallel rank and
+                   micro-batch); None takes the stream preset's cells_per_batch / max_batch
     steps          optimizer steps of the whole run (also the length of the cosine schedule)
     max_minutes    wall-clock budget of this invocation; on expiry it checkpoints and exports
     threads        torch intra-op threads (None: torch's default); on a busy 2-core machine 1 is fastest
@@ -36,6 +43,9 @@ class PretrainConfig:
 
     model: str = "tiny"
     stream: str = "pretrain"
+    data: str | None = None
+    data_cells_per_batch: int | None = None
+    data_max_batch: int | None = None
     steps: int = 2000
     max_minutes: float | None = None
     threads: int | None = None
@@ -102,3 +112,9 @@ class PretrainConfig:
         need(self.clip > 0, "clip", "must be > 0")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
         need(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1), "threads", "must be None or an integer >= 1")
+        need(self.data is None or (isinstance(self.data, str) and self.data.strip() != ""), "data",
+             "must be None or the path of a table store directory")
+        for name in ("data_cells_per_batch", "data_max_batch"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
+                 "must be None or an integer >= 1")

@@ -1,9 +1,16 @@
-"""Pretraining on the synthetic stream: wires the model, the stream and the engine into a Trainer.
+"""Pretraining on the synthetic stream or a table store: wires the model, the data and the engine into a Trainer.
 
 One process (`--plugin single`) or many under torchrun (`--plugin ddp | zero | fsdp`): every
 rank builds the same model, draws its own share of the stream, and runs the same loop; the
 main process (rank 0) writes train_config.json, logs and metrics. Checkpoints and the export
 are written collectively by the plugin's checkpoint IO.
+
+With `PretrainConfig.data` (`--data STORE`) the batches come from a table store instead
+(`data.store_episodes.StoreEpisodes`: bucketed batches of store tables, one episode per table,
+each data-parallel rank its own tables, epochs one after another). train_config.json then also
+records the store (`data_store`: resolved path, header fingerprint, tables), and a run is
+resumed only on the same store. The held-out synthetic evaluation is kept: it measures the
+prior, comparable across runs whatever they were trained on.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, lo
 from parallel.checkpoint import MANIFEST, read_manifest
 from parallel.export import export_model
 from parallel.launch import barrier, launch, seed_for_rank
+from data.store_episodes import StoreEpisodes, open_store, store_fingerprint
+from data.table_episodes import EpisodeConfig
 from synth.dataset import SynthDataset, SynthLoader
 from synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
@@ -75,10 +84,12 @@ def _world_size() -> int:
 
 # --------------------------------------------------------------------------- resuming safely
 
-def _check_same_run(out: Path, cfg: PretrainConfig) -> None:
-    """Refuse what would silently mix runs: resuming with a different model, stream, seed or
-    optimizer. Another plugin or world size is fine: every plugin's checkpoint IO reads both
-    formats ("general" full tensors and "sharded" DCP shards) and reshards on load."""
+def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None = None) -> None:
+    """Refuse what would silently mix runs: resuming with a different model, stream, seed,
+    optimizer or training data (synthetic stream vs a table store; another store path, or a store
+    whose headers changed; other store batch sizes). Another plugin or world size is fine for the
+    synthetic stream: every plugin's checkpoint IO reads both formats ("general" full tensors and
+    "sharded" DCP shards) and reshards on load (a store run keeps its data-parallel ranks)."""
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
         saved = json.loads(saved_path.read_text())
@@ -88,6 +99,32 @@ def _check_same_run(out: Path, cfg: PretrainConfig) -> None:
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
                     "use another --out or the same settings to resume"
                 )
+        _check_same_data(out, saved, cfg, store)
+
+
+def _data_name(store: dict[str, Any] | None) -> str:
+    return "the synthetic stream" if store is None else f"table store {store.get('path')}"
+
+
+def _check_same_data(out: Path, saved: dict[str, Any], cfg: PretrainConfig, store: dict[str, Any] | None) -> None:
+    before = (saved.get("data_store") or {"path": saved.get("data")}) if saved.get("data") is not None else None
+    if (before is None) != (store is None):
+        raise ValueError(f"{out} holds a run trained on {_data_name(before)}, this one trains on {_data_name(store)}; "
+                         "use another --out or the same --data to resume")
+    if store is None:
+        return
+    if before.get("path") != store["path"]:
+        raise ValueError(f"{out} holds a run trained on table store {before.get('path')}, this one trains on "
+                         f"{store['path']}; use another --out or the same --data to resume")
+    if before.get("fingerprint") != store["fingerprint"]:
+        raise ValueError(f"{out} holds a run trained on table store {store['path']} when its tables had header "
+                         f"fingerprint {before.get('fingerprint')} ({before.get('tables')} tables); the store now has "
+                         f"{store['fingerprint']} ({store['tables']} tables): tables were added, removed or replaced. "
+                         "Use another --out, or restore the store to resume")
+    for key in ("data_cells_per_batch", "data_max_batch"):
+        if saved.get(key) != getattr(cfg, key):
+            raise ValueError(f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
+                             "use another --out or the same settings to resume")
 
 
 def announce_resume(out: Path, trainer: Trainer, plugin: Plugin, seed: int) -> None:
@@ -129,16 +166,25 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     out = Path(out_dir)
     plug = plugin if plugin is not None else build_plugin(cfg)
     main = plug.is_main_process
-    _check_same_run(out, cfg)  # every rank reads the old train_config.json ...
+    model_cfg = ModelConfig.preset(cfg.model)
+    stream_cfg = StreamConfig.preset(cfg.stream)
+    headers = store = None
+    if cfg.data is not None:  # a store that is missing, empty or unreadable fails here, before anything is written
+        headers = open_store(cfg.data)
+        store = {"path": str(Path(cfg.data).resolve()), "fingerprint": store_fingerprint(headers),
+                 "tables": len(headers)}
+    _check_same_run(out, cfg, store)  # every rank reads the old train_config.json ...
     barrier()  # ... before the main process replaces it
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / TRAIN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
+        record = cfg.to_dict()
+        if store is not None:
+            record["data_store"] = store
+        (out / TRAIN_CONFIG).write_text(json.dumps(record, indent=2))
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank
-    model_cfg = ModelConfig.preset(cfg.model)
     model = TabFM(model_cfg)
     if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
         warm_start(model, cfg.init)
@@ -149,9 +195,13 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
         torch.manual_seed(seed_for_rank(cfg.seed, plug.dp_rank))
 
-    stream_cfg = StreamConfig.preset(cfg.stream)
-    dataset = SynthDataset(stream_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
-    data = SynthLoader(dataset, num_workers=cfg.workers)
+    if cfg.data is not None:
+        data = store_data(cfg, headers, plug.dp_rank, plug.dp_world_size, model_cfg.max_categories)
+        cells = data.sampler.cells_per_batch
+    else:
+        dataset = SynthDataset(stream_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
+        data = SynthLoader(dataset, num_workers=cfg.workers)
+        cells = stream_cfg.cells_per_batch
 
     # every rank evaluates (a sharded forward is collective); the main process logs
     evaluators = {}
@@ -167,12 +217,28 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         evaluators=evaluators, eval_every=cfg.eval_every,
         export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress,
     )
+    if main and progress and cfg.data is not None:
+        print(f"pretrain {out}: table store {store['path']}, {store['tables']} tables, {data.batches_per_epoch} "
+              f"batches per epoch and data-parallel rank", flush=True)
     if main and progress and plug.dp_world_size > 1:
         print(f"pretrain {out}: plugin {plug.name}, {_world_size()} processes, {plug.dp_world_size} data-parallel "
-              f"ranks x ~{stream_cfg.cells_per_batch:,} cells per micro-batch each", flush=True)
+              f"ranks x ~{cells:,} cells per micro-batch each", flush=True)
     if trainer.resume():
         announce_resume(out, trainer, plug, cfg.seed)
     return trainer.fit()
+
+
+def store_data(cfg: PretrainConfig, headers: Any, rank: int, world_size: int, max_classes: int) -> StoreEpisodes:
+    """The training data of `cfg.data`: episode batches of the store's tables for data-parallel rank `rank`.
+
+    Batches hold at most data_cells_per_batch padded cells and data_max_batch tables (default: the
+    stream preset's cells_per_batch / max_batch); episodes follow data.table_episodes.EpisodeConfig's
+    defaults (20 % imputation, ordinal categorical features) with the model's head width as max_classes."""
+    stream_cfg = StreamConfig.preset(cfg.stream)
+    cells = cfg.data_cells_per_batch if cfg.data_cells_per_batch is not None else stream_cfg.cells_per_batch
+    max_batch = cfg.data_max_batch if cfg.data_max_batch is not None else stream_cfg.max_batch
+    return StoreEpisodes(cfg.data, EpisodeConfig(max_classes=max_classes), cells_per_batch=cells, max_batch=max_batch,
+                         seed=cfg.seed, world_size=world_size, rank=rank, num_workers=cfg.workers, headers=headers)
 
 
 # --------------------------------------------------------------------------- export from a checkpoint
