@@ -14,6 +14,7 @@ from .mesh import MeshSpec, build_mesh, resolve_mesh_spec
 from .plan import ParallelPlan
 from .plugin import Plugin
 from .plugins import (
+    HybridParallelPlugin,
     LowLevelZeroPlugin,
     ReplicatedCheckpointIO,
     SingleProcessPlugin,
@@ -43,6 +44,7 @@ __all__ = [
     "load_exported",
     "load_state",
     "save_state",
+    "HybridParallelPlugin",
     "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin", "TorchFSDPPlugin",
     "build_mesh", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
 ]

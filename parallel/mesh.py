@@ -100,3 +100,24 @@ def build_mesh(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: i
     if spec.dp_replicate > 1 and spec.dp_shard > 1:
         mesh[("dp_replicate", "dp_shard")]._flatten("dp")
     return mesh
+
+
+def mesh_rank(mesh, name: str) -> int:
+    """This process's coordinate along dimension `name` (0 when the mesh lacks it)."""
+    if mesh is None or name not in (mesh.mesh_dim_names or ()):
+        return 0
+    return mesh.get_local_rank(name)
+
+
+def sub_mesh(mesh, *names: str):
+    """The 1-D mesh spanning the dims `names` (outer to inner) that `mesh` has: None if it has
+    none of them, that dim if one, else those dims flattened into one named "a_b..." (its
+    process group then holds every rank that differs only in those coordinates)."""
+    if mesh is None:
+        return None
+    present = [n for n in names if n in (mesh.mesh_dim_names or ())]
+    if not present:
+        return None
+    if len(present) == 1:
+        return mesh[present[0]]
+    return mesh[tuple(present)]._flatten("_".join(present))

@@ -71,14 +71,18 @@ class RowAttention(_FusedAttention):
 
     `gather_kv` is the seam for row-sequence parallelism: a plugin replaces it with an
     all-gather of keys, values and key mask along the row axis (a None mask means all local
-    keys are real). The model's learned thinking rows are the first `n_thinking_rows` keys on
-    every rank, so such a plugin should keep them from only one rank.
+    keys are real; the mask marks real keys only, and may leave a table none on a rank). The
+    first `shared_keys` keys (the model's learned thinking rows) are the same on every rank,
+    so such a plugin keeps them from only one rank.
     """
+
+    shared_keys: int = 0  # leading keys identical on every rank (set by TabFM: n_thinking_rows)
 
     def gather_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """k, v (B*C, H, Rk, hd); kv_mask (B, Rk) bool or None. Identity on one device."""
+        """k, v (B*C, H, Rk, hd); kv_mask (B, Rk) bool or None. Identity on one device.
+        A replacement may return a mask of 1 row (the same for every table)."""
         return k, v, kv_mask
 
     def forward(self, x: torch.Tensor, n_keys: int, kv_mask: torch.Tensor | None) -> torch.Tensor:
@@ -96,6 +100,8 @@ class RowAttention(_FusedAttention):
         mask = None
         if kv_mask is not None:
             rk = kv_mask.shape[1]
+            kv_mask = kv_mask.clone()
+            kv_mask[:, 0] |= ~kv_mask.any(1)  # a table without keys gets one arbitrary key (outputs unused)
             mask = kv_mask[:, None, :].expand(b, c, rk).reshape(b * c, 1, 1, rk)
         o = attend(q, k, v, mask, self._dropout_p())
         o = o.view(b, c, h, r, self.head_dim).permute(0, 3, 1, 2, 4).reshape(b, r, c, h * self.head_dim)

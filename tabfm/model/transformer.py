@@ -82,8 +82,10 @@ def _attention_masks(batch: TableBatch, n_thinking: int) -> tuple[torch.Tensor |
     """For a keys-first batch: the column-attention key mask (B*R', 1, 1, C) over R' = T + R
     rows, the number of leading key rows n_keys, and the row-attention key mask (B, n_keys).
 
-    Masks are None where nothing needs masking. A table with no valid key at all (a fully
-    padded table) gets one arbitrary key so attention stays finite (its outputs are unused).
+    Masks are None where nothing needs masking. The row-attention mask marks real keys only:
+    a table with none (a fully padded table, or under row-sequence parallelism a table whose
+    context rows all live on other ranks) has an all-False row, and `RowAttention` gives it
+    one arbitrary key after gathering so attention stays finite (its outputs are unused).
     """
     b, r, c = batch.shape
     rows = n_thinking + r
@@ -96,7 +98,6 @@ def _attention_masks(batch: TableBatch, n_thinking: int) -> tuple[torch.Tensor |
     counts = (batch.context & batch.row_valid).sum(1) + n_thinking
     n_keys = max(int(counts.max()), 1)
     kv_mask = torch.arange(n_keys, device=counts.device)[None, :] < counts[:, None]
-    kv_mask[:, 0] |= counts == 0
     return col_mask, n_keys, (None if bool(kv_mask.all()) else kv_mask)
 
 
@@ -116,6 +117,8 @@ class TabFM(nn.Module):
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.num_head = NumericHead(config.d_model, config.n_bins, config.bin_range)
         self.cat_head = CategoricalHead(config.d_model, config.id_dim)
+        for block in self.blocks:  # the thinking rows lead every rank's keys (row-sequence parallelism)
+            block.row_attn.shared_keys = config.n_thinking_rows
         self._scale_residual_outputs()
 
     def _scale_residual_outputs(self) -> None:

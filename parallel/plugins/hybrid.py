@@ -1,0 +1,361 @@
+"""HybridParallelPlugin: data × row-sequence × tensor parallelism on one DeviceMesh.
+
+    plugin = HybridParallelPlugin(tp_size=2, sp_size=2, zero_stage=0, precision="bf16")
+    # world size = dp × sp × tp (pp = 1; pipeline stages are a separate plugin)
+
+Composition, in the torchtitan order, of what the model's `ParallelPlan` declares:
+
+    tensor parallel   DTensor `parallelize_module` over mesh["tp"] (`parallel.tensor_parallel`):
+                      attention heads of both attentions and the MLP width are split.
+    row-sequence      each sp rank gets a contiguous slice of every table's rows; row attention
+                      all-gathers K/V over mesh["sp"], row statistics are all-reduced
+                      (`parallel.sequence_parallel`); the loss is the sp group's global mean.
+    data parallel     the remaining dp ranks see different batches. Gradients of every
+                      parameter are summed over sp and averaged over dp: zero_stage=0 by a
+                      bucketed all-reduce over the flattened dp×sp group after backward;
+                      zero_stage=2/3 by FSDP2 `fully_shard` over that group (parameters,
+                      gradients and optimizer state sharded over dp×sp; 2 keeps parameters
+                      gathered between forward and backward, 3 frees them).
+
+The boosted model takes the full batch on every rank of a dp group (tensor and sequence
+peers must be handed the same batch; `prepare_dataloader` shards over dp only) and cuts its
+rows itself; the boosted criterion does the same, so the training loop is unchanged. Model
+outputs refer to this rank's rows (`shard_batch` gives them). Gradients are reduced in
+`booster.backward` (call it rather than `loss.backward()`). Layouts are checked before any collective,
+with errors that give the numbers. Checkpoints are sharded (DCP); a tp × sp checkpoint loads
+in one process, into any other layout, or into another plugin.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..mesh import build_mesh, mesh_rank, sub_mesh
+from ..plan import ParallelPlan
+from ..plugin import Plugin
+from ..precision import MixedPrecision, local_shard
+from ..sequence_parallel import RowShardedCriterion, RowShardedModule, parallelize_rows, shard_rows
+from ..sharded_checkpoint import ShardedCheckpointIO
+from ..tensor_parallel import check_tp_layout, parallelize_tensor
+from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
+from .ddp import _require_process_group
+from .zero import (
+    FullStateFSDPCheckpointIO,
+    _optimizer_kwargs,
+    _param_names_by_group,
+    _rebind_scheduler,
+    _resolve_blocks,
+)
+
+__all__ = ["HybridParallelPlugin", "hybrid_grad_norm"]
+
+
+def hybrid_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Global gradient norm over plain (replicated) gradients and DTensor shards that may live
+    on different meshes (TP-only, FSDP-only, FSDP × TP): each mesh's part is reduced over its
+    mesh, plain gradients count once, and the parts are combined."""
+    by_mesh = _by_mesh(grads, lambda g: g)
+    plain = [g for g in by_mesh.pop(None, []) if g.numel()]
+    norms = [plain_grad_norm(group, norm_type).full_tensor() for group in by_mesh.values()]
+    if plain:
+        norms.append(plain_grad_norm(plain, norm_type))
+    if not norms:
+        return torch.zeros(())
+    device = norms[0].device
+    return norms[0] if len(norms) == 1 else plain_grad_norm([n.to(device) for n in norms], norm_type)
+
+
+def _by_mesh(items: list[Any], grad_of: Callable[[Any], torch.Tensor]) -> dict[int | None, list[Any]]:
+    """Items grouped by the mesh of their gradient (None: plain tensors). Foreach kernels
+    refuse DTensors of different meshes in one call (FSDP × TP has 1-D and 2-D ones)."""
+    groups: dict[int | None, list[Any]] = defaultdict(list)
+    for item in items:
+        mesh = getattr(grad_of(item), "device_mesh", None)
+        groups[None if mesh is None else id(mesh)].append(item)
+    return groups
+
+
+class HybridParallelPlugin(Plugin):
+    """dp × sp × tp on the default process group (dp = world / (tp × sp)).
+
+    tp_size      tensor-parallel ranks: attention heads and MLP width are split.
+    sp_size      row-sequence-parallel ranks: every table's rows are split.
+    pp_size      must be 1 (pipeline stages are a separate plugin).
+    zero_stage   0: replicated parameters, gradients all-reduced over dp × sp;
+                 2 / 3: FSDP2 over dp × sp (3 reshards parameters after forward).
+    precision    "fp32" | "bf16" | "fp16" | MixedPrecision.
+    loss_count   how the boosted criterion weighs ranks' losses under sp > 1: a metrics key
+                 giving the items the loss averaged (default "cells"), a function
+                 `(output, *inputs) -> count`, or None (equal weights). See RowShardedCriterion.
+    bucket_cap_mb  size of the gradient all-reduce buckets (zero_stage 0).
+    device       None -> cuda:LOCAL_RANK when the backend is NCCL, else cpu.
+    """
+
+    name = "hybrid"
+    supports_no_sync = True
+    supports_sharded_checkpoint = True
+
+    def __init__(self, tp_size: int = 1, sp_size: int = 1, zero_stage: int = 0,
+                 precision: "str | MixedPrecision | None" = None, *, pp_size: int = 1,
+                 loss_count: "str | Callable[..., float] | None" = "cells", bucket_cap_mb: float = 25.0,
+                 device: "str | torch.device | None" = None) -> None:
+        _require_process_group()
+        super().__init__(precision)
+        world = dist.get_world_size()
+        self.tp_size, self.sp_size, self.zero_stage = _check_layout(world, tp_size, sp_size, pp_size, zero_stage)
+        self.dp_size = world // (self.tp_size * self.sp_size)
+        if self.zero_stage and self.dp_size * self.sp_size == 1:
+            raise ValueError(f"zero_stage={zero_stage} shards over dp × sp = {self.dp_size} × {self.sp_size} "
+                             "= 1 rank: nothing to shard; use zero_stage=0")
+        self.loss_count = loss_count
+        self.bucket_cap_mb = bucket_cap_mb
+        if device is None:
+            from ..launch import current
+            device = current().device
+        self._device = torch.device(device)
+        self.mesh = build_mesh(world, dp_shard=self.dp_size, tp=self.tp_size, sp=self.sp_size,
+                               device_type=self._device.type)
+        self.tp_mesh = sub_mesh(self.mesh, "tp")
+        self.sp_mesh = sub_mesh(self.mesh, "sp")
+        self.grad_mesh = sub_mesh(self.mesh, "dp_shard", "sp")  # ranks holding the same parameters
+        self.rng_mesh = sub_mesh(self.mesh, "sp", "tp")  # ranks computing on the same tables
+        self.process_group = None  # checkpoints and fallbacks run over the whole world
+        self._param_names: list[str] = []
+        self._params: list[nn.Parameter] = []
+        self._fsdp_module: nn.Module | None = None
+        self._syncing = True
+        self.tp_styles: dict[str, str] = {}
+        self._checkpoint_io = ShardedCheckpointIO(None, fallback=FullStateFSDPCheckpointIO(self))
+
+    # --- topology --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dp_rank(self) -> int:
+        return mesh_rank(self.mesh, "dp_shard")
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.dp_size
+
+    @property
+    def sp_rank(self) -> int:
+        return mesh_rank(self.mesh, "sp")
+
+    @property
+    def tp_rank(self) -> int:
+        return mesh_rank(self.mesh, "tp")
+
+    @property
+    def is_main_process(self) -> bool:
+        return dist.get_rank() == 0
+
+    def layout(self) -> dict[str, int]:
+        return {"world_size": dist.get_world_size(), "dp": self.dp_size, "tp": self.tp_size, "sp": self.sp_size,
+                "pp": 1}
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's rows of `batch` (the slice the boosted model computes on and its outputs
+        refer to: local row r is row r + sp_rank * rows / sp of the batch); `batch` when sp = 1."""
+        return shard_rows(batch, self.sp_rank, self.sp_size) if self.sp_size > 1 else batch
+
+    @staticmethod
+    def _group(mesh: Any) -> Any:
+        return mesh.get_group() if mesh is not None else None
+
+    # --- wrapping --------------------------------------------------------------------------
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
+        plan = _plan_of(model, needed=self.tp_size > 1 or self.sp_size > 1)
+        if self.tp_size > 1:  # every check before the first collective
+            check_tp_layout(model, plan, self.tp_size)
+        group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
+        model.to(self.device)
+        with torch.no_grad():  # like DDP: rank 0's parameters and buffers are the model
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        if self.tp_size > 1:
+            self.tp_styles = parallelize_tensor(model, self.tp_mesh, plan)
+        if self.sp_size > 1:
+            parallelize_rows(model, plan, self._group(self.sp_mesh))
+        if self.zero_stage:
+            self._fully_shard(model, plan)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        wrapped_optimizer = None
+        if optimizer is not None:
+            params = dict(model.named_parameters())
+            self._param_names = [n for names in group_names for n in names]
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in names]}
+                      for g, names in zip(optimizer.param_groups, group_names)]
+            rebuilt = type(optimizer)(groups, **_optimizer_kwargs(optimizer))
+            _rebind_scheduler(lr_scheduler, optimizer, rebuilt)
+            wrapped_optimizer = self.wrap_optimizer(rebuilt)
+        sharded = RowShardedModule(model, sp_group=self._group(self.sp_mesh), rng_group=self._group(self.rng_mesh),
+                                   device=self.device)
+        self._row_module = sharded
+        if criterion is not None and self.sp_size > 1:
+            criterion = RowShardedCriterion(criterion, sharded, count=self.loss_count)
+        return self.wrap_model(model, sharded), wrapped_optimizer, criterion, dataloader, lr_scheduler
+
+    def _fully_shard(self, model: nn.Module, plan: ParallelPlan) -> None:
+        """FSDP2 over dp × sp: each planned block, then the root. FSDP averages gradients over
+        the group; `backward` scales the loss by sp so that they are summed over sp (its ranks
+        hold parts of one batch's gradient) and averaged over dp. (A gradient divide factor
+        would say the same, but gloo lacks the PREMUL_SUM it needs.)"""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {"mesh": self.grad_mesh, "reshard_after_forward": self.zero_stage == 3}
+        compute = self.precision.torch_dtype
+        if compute is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        empty = {p for p in model.parameters() if p.numel() == 0}
+        if empty:
+            kwargs["ignored_params"] = empty
+        for _, block in _resolve_blocks(model, plan.blocks):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        self._fsdp_module = model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerWrapper:
+        return OptimizerWrapper(optimizer, scaler=self.precision.make_scaler(), grad_norm_fn=self.grad_norm,
+                                found_inf_fn=self._found_inf_anywhere)
+
+    # --- gradients -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
+        """loss.backward() (scaled under fp16), then, outside `no_sync`, the gradient reduction
+        over dp × sp (FSDP2 does its own inside backward)."""
+        if self.zero_stage and self.sp_size > 1:
+            loss = loss * self.sp_size  # FSDP averages over dp × sp; sp ranks' gradients must add up
+        optimizer.backward(loss)
+        if self._syncing and not self.zero_stage:
+            self._all_reduce_grads()
+
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over dp × sp and divide by dp, in buckets. A parameter without a
+        gradient on some rank counts as zero there; one without any stays None."""
+        group = self._group(self.grad_mesh)
+        if group is None:
+            return
+        with torch.no_grad():
+            self._all_reduce_grads_in(group)
+
+    def _all_reduce_grads_in(self, group: Any) -> None:
+        has = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32, device=self.device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+        grads = []
+        for p, anywhere in zip(self._params, has.tolist()):
+            if anywhere:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local_shard(p.grad))
+        for bucket in _buckets(grads, int(self.bucket_cap_mb * 2**20)):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            if self.dp_size > 1:
+                flat.div_(self.dp_size)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients without reducing them; the first
+        backward outside reduces the accumulated sum."""
+        if self.zero_stage:
+            if self._fsdp_module is None:
+                raise RuntimeError("no_sync() before boost(): there is no FSDP module yet")
+            self._fsdp_module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self._fsdp_module.set_requires_gradient_sync(True)
+            return
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def grad_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        return hybrid_grad_norm(grads, norm_type)
+
+    def clip_grad_norm_(self, optimizer: OptimizerWrapper, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip to the global norm, scaling each mesh's gradients in its own foreach call."""
+        params = optimizer._params_with_grad()
+        norm = optimizer._unscale_and_norm(params, norm_type)  # fp16: unscale once, agree on overflow
+        if optimizer._found_inf:  # the step will be skipped; leave the gradients alone
+            return norm
+        for group in _by_mesh(params, lambda p: p.grad).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+        return norm
+
+    def _found_inf_anywhere(self, found: torch.Tensor) -> torch.Tensor:
+        """fp16: all ranks skip a step if any rank's gradient (shard) overflowed."""
+        flag = found.to(self.device, torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    def __repr__(self) -> str:
+        return (f"HybridParallelPlugin(dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
+                f"zero_stage={self.zero_stage}, device={self.device}, precision={self.precision.dtype!r})")
+
+
+def _check_layout(world: int, tp: int, sp: int, pp: int, zero_stage: int) -> tuple[int, int, int]:
+    """Validate sizes against the world size (no communication); errors give the numbers."""
+    for name, size in (("tp_size", tp), ("sp_size", sp), ("pp_size", pp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {size!r}")
+    if pp != 1:
+        raise ValueError(f"pp_size={pp}: HybridParallelPlugin runs tp × sp × dp; pipeline stages are a separate "
+                         "plugin (pp_size must be 1)")
+    if zero_stage not in (0, 2, 3):
+        raise ValueError(f"zero_stage must be 0 (replicated), 2 or 3 (FSDP2 over dp × sp), got {zero_stage!r}")
+    if world % (tp * sp):
+        raise ValueError(f"world size {world} is not divisible by tp × sp = {tp} × {sp} = {tp * sp} "
+                         f"(dp = world / (tp × sp) must be a whole number)")
+    return tp, sp, zero_stage
+
+
+def _plan_of(model: nn.Module, needed: bool) -> ParallelPlan:
+    plan_fn = getattr(model, "parallel_plan", None)
+    if plan_fn is None:
+        if needed:
+            raise ValueError(f"{type(model).__name__} declares no parallel_plan(): tensor and row-sequence "
+                             "parallelism need one (parallel.ParallelPlan)")
+        return ParallelPlan()
+    plan = plan_fn()
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"{type(model).__name__}.parallel_plan() returned {type(plan).__name__}, "
+                        "expected parallel.plan.ParallelPlan")
+    return plan
+
+
+def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device tensors of at most `cap_bytes` (one tensor
+    may exceed it alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > cap_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
