@@ -23,6 +23,9 @@ from tests.dist_utils import DistributedError, run_distributed
 
 WORLD = 2
 N, GLOBAL_BATCH, STEPS, CLIP, ATOL = 32, 16, 5, 0.3, 1e-5  # CLIP binds on some steps
+LOW_PRECISION = [("ddp", "bf16"), ("ddp", "fp16"), ("zero", "bf16"), ("zero", "fp16"), ("zero2", "bf16")]
+# (params, loss) tolerance against the single-process run at the same precision
+LOW_TOL = {"bf16": (5e-3, 5e-3), "fp16": (5e-4, 1e-3)}
 
 
 def make_mlp(seed: int = 0) -> nn.Module:
@@ -59,10 +62,13 @@ def make_plugin(kind: str):
             "zero2": lambda: LowLevelZeroPlugin(stage=2)}[kind]()
 
 
-def setup(plugin, model_seed: int = 0):
-    booster = Booster(plugin=plugin, precision="fp32")
+def setup(plugin, model_seed: int = 0, precision: str = "fp32"):
+    """fp32 runs use AdamW; bf16/fp16 runs SGD with momentum (Adam turns rounding-level gradient
+    differences into full +-lr steps, which would hide real disagreements in noise)."""
+    booster = Booster(plugin=plugin, precision=precision)
     model = make_mlp(model_seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if precision == "fp32"
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     model, opt, crit, _, _ = booster.boost(model, opt, nn.functional.mse_loss)
     return booster, model, opt, crit
 
@@ -109,8 +115,8 @@ def params(model) -> list[torch.Tensor]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.unwrap().parameters()]
 
 
-def single_run(steps: int, accum: int = 1, resume: Path | None = None, skip: int = 0):
-    booster, model, opt, crit = setup(SingleProcessPlugin(device="cpu"))
+def single_run(steps: int, accum: int = 1, resume: Path | None = None, skip: int = 0, precision: str = "fp32"):
+    booster, model, opt, crit = setup(SingleProcessPlugin(device="cpu"), precision=precision)
     if resume is not None:
         booster.load_checkpoint(resume, model=model, optimizer=opt)
     loader = DataLoader(make_dataset(), batch_size=GLOBAL_BATCH)
@@ -121,9 +127,9 @@ def single_run(steps: int, accum: int = 1, resume: Path | None = None, skip: int
 
 # --- the distributed worker ----------------------------------------------------------------
 
-def _scenario_train(rank, kind, accum):
+def _scenario_train(rank, kind, accum, precision="fp32"):
     # each rank builds a different initial model: DDP must broadcast rank 0's
-    booster, model, opt, crit = setup(make_plugin(kind), model_seed=rank)
+    booster, model, opt, crit = setup(make_plugin(kind), model_seed=rank, precision=precision)
     loader = booster.prepare_dataloader(make_dataset(), batch_size=GLOBAL_BATCH // WORLD)
     losses, norms, skipped = train(booster, model, opt, crit, batches(loader, STEPS), accum)
     return {"params": params(model), "losses": losses, "norms": norms, "skipped_sync": skipped,
@@ -183,6 +189,8 @@ def scenario_worker(rank, world, root):
         "zero2_accum": lambda: _scenario_train(rank, "zero2", 2),
         "zero2_ckpt": lambda: _scenario_ckpt(rank, "zero2", root),
         "mesh": lambda: _scenario_mesh(rank),
+        **{f"{kind}_{prec}": (lambda kind=kind, prec=prec: _scenario_train(rank, kind, 2, prec))
+           for kind, prec in LOW_PRECISION},
     }
     for name, fn in scenarios.items():
         try:
@@ -224,6 +232,19 @@ def test_matches_single_process(dist_results, kind):
         assert r["norms"] == pytest.approx(ref["norms"], abs=ATOL)  # clipping saw the global norm
     assert [r["is_main"] for r in ranks] == [True, False]
     assert [r["dp"] for r in ranks] == [(0, 2), (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,precision", LOW_PRECISION)
+def test_low_precision_matches_single_process_at_that_precision(dist_results, kind, precision):
+    ref = single_run(STEPS, accum=2, precision=precision)
+    p_tol, l_tol = LOW_TOL[precision]
+    moved = max(float((a - b).abs().max()) for a, b in zip(ref["params"], single_run(0)["params"]))
+    assert moved > 10 * p_tol  # the tolerance is far below how far training moved the parameters
+    for r in _get(dist_results, f"{kind}_{precision}"):
+        for a, b in zip(r["params"], ref["params"]):
+            torch.testing.assert_close(a, b, atol=p_tol, rtol=0)
+        assert r["losses"] == pytest.approx(ref["losses"], abs=l_tol)
 
 
 @pytest.mark.slow
