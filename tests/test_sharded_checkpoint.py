@@ -314,7 +314,7 @@ def _save_worker(rank: int, world: int, root: str) -> dict:
 
 def _load_worker(rank: int, world: int, root: str) -> dict:
     root_p, io, out = Path(root), ShardedCheckpointIO(), {}
-    for src, kind in (("fsdp2", "fsdp2"), ("ddp", "fsdp2"), ("zero", "zero"), ("fsdp2", "zero")):
+    for src, kind in (("fsdp2", "fsdp2"), ("ddp", "fsdp2"), ("zero", "zero"), ("fsdp2", "zero"), ("zero", "ddp")):
         net, model, opt, sched = build(kind, seed=123)
         extra = io.load_checkpoint(checkpoint_dir(root_p / src, 2), model=model, optimizer=opt, lr_scheduler=sched)
         case = out[f"{src}_to_{kind}"] = {"extra": extra, "rng": torch.rand(3), "loaded": snapshot(net, opt, sched)}
