@@ -9,6 +9,7 @@ from .checkpoint import (
     list_checkpoints,
 )
 from .export import export_model, load_exported
+from .gemini import DeviceBudgetError, GeminiPlugin
 from .launch import DistInfo, destroy, launch, seed_for_rank
 from .mesh import MeshSpec, build_mesh, resolve_mesh_spec
 from .plan import ParallelPlan
@@ -45,6 +46,7 @@ __all__ = [
     "load_state",
     "save_state",
     "HybridParallelPlugin",
+    "DeviceBudgetError", "GeminiPlugin",
     "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin", "TorchFSDPPlugin",
     "build_mesh", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
 ]

@@ -1,0 +1,169 @@
+"""Gemini capacity: the largest model that trains under a fixed device budget, per placement.
+
+Model: a stack of `Linear(d, d)` layers (AdamW, fp32). Full training state = 16 bytes per
+parameter (master, grad, exp_avg, exp_avg_sq). Under a fixed device budget (default 256 MiB,
+CPU memory accounted by the chunk manager) and a fixed host budget (default 2x the device
+budget), three placements:
+
+  all-device   everything resident in the device budget
+  host         params+grads and/or Adam state on host (the best static fractions on a 0.25
+               grid); host-param chunks visit the device only while their layer runs
+  disk         Adam state on disk (streamed, 3 chunk buffers on host), params+grads split
+               between device and host (best fraction on the grid)
+
+Capacity = the most layers whose `GeminiPlugin.estimate` fits both budgets (binary search on a
+meta-device model, no allocation), then verified by really training one step at that size
+(peak device bytes must stay under the budget). Step time: a model that fits all three ways
+(half the all-device capacity), timed with everything offloaded (host: all params and state
+on host; disk: params on host, state on disk) relative to all-device.
+
+    python benchmarks/gemini_capacity.py            # 256 MiB device budget, d=1024
+    python benchmarks/gemini_capacity.py --quick    # 16 MiB, d=256: seconds
+Writes benchmarks/results/gemini_capacity.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parallel import Booster  # noqa: E402
+from parallel.gemini import GeminiPlugin  # noqa: E402
+
+MODES = {  # the fully offloaded placements used for the step-time comparison
+    "all-device": dict(),
+    "host": dict(offload_param_frac=1.0, offload_optim_frac=1.0),
+    "disk": dict(offload_param_frac=1.0, disk_optim_frac=1.0),
+}
+MiB = 1 << 20
+
+
+def make_model(d: int, layers: int, device: str = "cpu") -> nn.Module:
+    with torch.device(device):
+        return nn.Sequential(*[nn.Linear(d, d) for _ in range(layers)])
+
+
+GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def placements(mode: str) -> list[dict]:
+    """Static placements a mode may use (capacity takes the best): all-device none; host:
+    any params/optimizer fractions on host; disk: any params fraction on host, optimizer on disk."""
+    if mode == "all-device":
+        return [{}]
+    if mode == "host":
+        return [dict(offload_param_frac=p, offload_optim_frac=o) for p in GRID for o in GRID]
+    return [dict(offload_param_frac=p, disk_optim_frac=1.0) for p in GRID]
+
+
+def fits(mode: str, d: int, layers: int, budget: int, host_budget: int) -> dict | None:
+    """The first placement of `mode` under which `layers` layers fit both budgets, or None."""
+    meta = make_model(d, layers, "meta")
+    opt = torch.optim.AdamW(meta.parameters())
+    for cfg in placements(mode):
+        est = GeminiPlugin(device_budget_bytes=budget, **cfg).estimate(meta, opt)
+        if est["device_bytes"] <= budget and est["host_bytes"] <= host_budget:
+            return cfg
+    return None
+
+
+def capacity(mode: str, d: int, budget: int, host_budget: int, max_layers: int) -> int:
+    lo, hi = 0, 1
+    while hi <= max_layers and fits(mode, d, hi, budget, host_budget) is not None:
+        lo, hi = hi, hi * 2
+    hi = min(hi, max_layers + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mode, d, mid, budget, host_budget) is not None else (lo, mid)
+    return lo
+
+
+def run(cfg: dict, d: int, layers: int, budget: int, steps: int, batch: int) -> dict:
+    torch.manual_seed(0)
+    plugin = GeminiPlugin(device_budget_bytes=budget, **cfg)
+    booster = Booster(plugin)
+    m = make_model(d, layers)
+    model, opt, *_ = booster.boost(m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+    x = torch.randn(batch, d)
+    times = []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = model(x).square().mean()
+            booster.backward(loss, opt)
+            booster.clip_grad_norm_(opt, 1.0)
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+        rep = plugin.memory_report()
+    finally:
+        plugin.close()
+        del model, opt, m
+    return {"step_s": min(times[1:] or times), "peak_device_bytes": rep["device_peak_bytes"],
+            "n_chunks": rep["n_chunks"], "padding_frac": rep["padding_frac"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget-mib", type=float, default=None)
+    ap.add_argument("--host-mib", type=float, default=None, help="host budget (default 2x device budget)")
+    ap.add_argument("--d", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--no-verify", action="store_true", help="skip the one-step run at each capacity")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gemini_capacity.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    budget = int((args.budget_mib or (16 if args.quick else 256)) * MiB)
+    host_budget = int(args.host_mib * MiB) if args.host_mib else 2 * budget
+    d = args.d or (256 if args.quick else 1024)
+    steps = args.steps or (3 if args.quick else 4)
+    batch = 32
+    per_layer = 16 * (d * d + d)
+
+    rows = []
+    for mode in MODES:
+        n = capacity(mode, d, budget, host_budget, max_layers=4096)
+        row = {"mode": mode, "max_layers": n, "max_params": n * (d * d + d),
+               "train_state_mib": n * per_layer / MiB}
+        row["placement"] = fits(mode, d, n, budget, host_budget) if n else None
+        if not args.no_verify and n:
+            v = run(row["placement"], d, n, budget, 1, batch)
+            row["verified_peak_device_mib"] = v["peak_device_bytes"] / MiB
+            assert v["peak_device_bytes"] <= budget
+            assert fits(mode, d, n + 1, budget, host_budget) is None
+        rows.append(row)
+
+    n_time = max(1, rows[0]["max_layers"] // 2)  # fits all three ways
+    base = None
+    for row in rows:
+        r = run(MODES[row["mode"]], d, n_time, budget, steps, batch)
+        base = base or r["step_s"]
+        row.update({"timed_layers": n_time, "step_s": r["step_s"], "step_rel": r["step_s"] / base,
+                    "timed_peak_device_mib": r["peak_device_bytes"] / MiB, "n_chunks": r["n_chunks"],
+                    "padding_frac": r["padding_frac"]})
+
+    print(f"device budget {budget / MiB:.0f} MiB, host budget {host_budget / MiB:.0f} MiB, Linear({d},{d}) layers, "
+          f"AdamW fp32 (16 B/param); step time at {n_time} layers, batch {batch}, 1 thread")
+    print(f"{'mode':<11} {'max layers':>10} {'max params':>12} {'state MiB':>10} {'peak MiB':>9} "
+          f"{'step s':>8} {'rel':>6}  placement at capacity")
+    for r in rows:
+        print(f"{r['mode']:<11} {r['max_layers']:>10} {r['max_params']:>12,} {r['train_state_mib']:>10.1f} "
+              f"{r.get('verified_peak_device_mib', float('nan')):>9.1f} {r['step_s']:>8.3f} {r['step_rel']:>6.2f}  "
+              f"{r['placement']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device_budget_bytes": budget, "host_budget_bytes": host_budget, "d": d,
+                               "batch": batch, "quick": args.quick, "torch": torch.__version__, "rows": rows},
+                              indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
