@@ -47,10 +47,9 @@ from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from .ddp import _require_process_group
 from .zero import (
     FullStateFSDPCheckpointIO,
-    _optimizer_kwargs,
     _param_names_by_group,
-    _rebind_scheduler,
     _resolve_blocks,
+    rebuild_optimizer,
 )
 
 __all__ = ["HybridParallelPlugin", "hybrid_grad_norm"]
@@ -197,13 +196,8 @@ class HybridParallelPlugin(Plugin):
         self._params = [p for p in model.parameters() if p.requires_grad]
         wrapped_optimizer = None
         if optimizer is not None:
-            params = dict(model.named_parameters())
             self._param_names = [n for names in group_names for n in names]
-            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in names]}
-                      for g, names in zip(optimizer.param_groups, group_names)]
-            rebuilt = type(optimizer)(groups, **_optimizer_kwargs(optimizer))
-            _rebind_scheduler(lr_scheduler, optimizer, rebuilt)
-            wrapped_optimizer = self.wrap_optimizer(rebuilt)
+            wrapped_optimizer = self.wrap_optimizer(rebuild_optimizer(model, optimizer, group_names, lr_scheduler))
         sharded = RowShardedModule(model, sp_group=self._group(self.sp_mesh), rng_group=self._group(self.rng_mesh),
                                    device=self.device)
         self._row_module = sharded

@@ -54,6 +54,19 @@ def _rebind_scheduler(lr_scheduler: Any, old: torch.optim.Optimizer, new: Any) -
         lr_scheduler.optimizer = new  # the scheduler now drives the rebuilt optimizer's param groups
 
 
+def rebuild_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]],
+                      lr_scheduler: Any = None) -> torch.optim.Optimizer:
+    """The same optimizer (type, hyperparameters, groups) over the model's current parameters
+    (after sharding or tensor-parallel replaced them), found by name; a scheduler that drove
+    the old optimizer now drives the new one."""
+    params = dict(model.named_parameters())
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in names]}
+              for g, names in zip(optimizer.param_groups, group_names)]
+    rebuilt = type(optimizer)(groups, **_optimizer_kwargs(optimizer))
+    _rebind_scheduler(lr_scheduler, optimizer, rebuilt)
+    return rebuilt
+
+
 def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Global gradient norm when gradients may be DTensor shards: the per-shard norms are
     reduced over the shards' mesh (`full_tensor`); plain gradients give the plain norm."""
@@ -151,13 +164,8 @@ class FullyShardPlugin(TorchDDPPlugin):
         self.fsdp_units = [name for name, _ in units] + [""]
         wrapped = None
         if optimizer is not None:
-            params = dict(model.named_parameters())
             self._param_names = [n for names in group_names for n in names]
-            new_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in names]}
-                          for g, names in zip(optimizer.param_groups, group_names)]
-            sharded = type(optimizer)(new_groups, **_optimizer_kwargs(optimizer))
-            _rebind_scheduler(lr_scheduler, optimizer, sharded)
-            wrapped = self.wrap_optimizer(sharded)
+            wrapped = self.wrap_optimizer(rebuild_optimizer(model, optimizer, group_names, lr_scheduler))
         return self.wrap_model(model), wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerWrapper:
