@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import sys
 import time
@@ -56,6 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from benchmarks.common import machine_info  # noqa: E402
 from torch import nn  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "engine_memory.json"
@@ -285,19 +285,6 @@ def print_table(rows: list[dict]) -> None:
               f"{r['optim_bytes'] / MIB:.2f} | {ratio(r['params_vs_ddp'])} | {ratio(r['grads_vs_ddp'])} | "
               f"{ratio(r['optim_vs_ddp'])} | {r['param_bytes_in_step'] / MIB:.2f} | {r['peak_rss_bytes'] / MIB:.0f} | "
               f"{r['rss_increase_bytes'] / MIB:.0f} |")
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "logical_cpus": os.cpu_count(), "torch_threads_per_rank": 1, "backend": "gloo",
-            "torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

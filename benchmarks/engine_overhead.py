@@ -48,7 +48,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -63,6 +62,7 @@ for _p in (ROOT, ROOT / "benchmarks"):  # the project, and engine_memory beside 
         sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
+from benchmarks.common import machine_info  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -377,20 +377,6 @@ def print_table(summary: dict) -> None:
               f"{f(p['vs_raw_ddp_cpu'])} | {p['optim_bytes'] / MIB:.2f} (+{p['master_bytes'] / MIB:.2f} fp32 master) | "
               f"{f(p['optim_vs_ddp'], '{:.2f}')} |")
     print("\nvs raw DDP: the booster's median (the peer's, for DeepSpeed) over raw torch DDP's, wall and CPU time")
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "logical_cpus": os.cpu_count(), "torch_threads_per_rank": 1, "backend": "gloo",
-            "torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "executable": sys.executable}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import sys
 import time
@@ -53,6 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from benchmarks.common import machine_info  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "long_context.json"
 MODEL = dict(d_model=32, n_layers=2, n_heads=4, mlp_ratio=2.0, n_bins=32, id_dim=16, n_thinking_rows=0)
@@ -165,19 +165,6 @@ def longest_within(budget: int, sp: int, cols: int, points: list[tuple[int, int]
         predicted = max(unit, int(predicted * budget / measured) // unit * unit)
     return {"sp": sp, "rows": predicted, "saved_bytes": measured, "within_budget": measured <= budget,
             "fit_bytes_per_row": slope, "fit_intercept_bytes": intercept}
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "logical_cpus": os.cpu_count(), "torch_threads_per_rank": 1, "backend": "gloo",
-            "torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
