@@ -59,8 +59,12 @@ class TableBatch:
         cardinality: torch.Tensor,
         context: torch.Tensor | None = None,
         query: torch.Tensor | None = None,
+        validate: bool = True,
     ) -> "TableBatch":
-        """A batch of one unpadded table: x (R, C), kind/cardinality (C,), context (R,), query (R, C)."""
+        """A batch of one unpadded table: x (R, C), kind/cardinality (C,), context (R,), query (R, C).
+
+        validate=False skips `validate`, for query rows alone against an already encoded context
+        (`TabFM.forward_queries`), which has no context rows by design."""
         x = torch.as_tensor(x, dtype=torch.float32)
         if x.dim() != 2:
             raise ValueError(f"from_table expects x of shape (rows, cols), got {tuple(x.shape)}")
@@ -76,7 +80,8 @@ class TableBatch:
             context=context[None],
             query=query[None],
         )
-        batch.validate()
+        if validate:
+            batch.validate()
         return batch
 
     @staticmethod

@@ -3,18 +3,21 @@
 A prediction table = context rows (fully visible; rows other rows attend to) followed by
 query rows whose hidden cells the model must predict. Query rows are not context, so a
 query row's prediction depends only on the context and on the row itself: splitting the
-query rows into chunks (`predict_rows`) gives the same answers as one big pass.
+query rows into chunks gives the same answers as one big pass, and the context can be
+encoded once (`ContextPredictor`, the model's `encode_context`) and reused by every chunk,
+so a chunk costs only its own rows.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
 from data.batch import CATEGORICAL, NUMERIC, TableBatch
-from tabfm.model import ModelOutput
+from tabfm.model import ContextCache, ModelOutput
 
 # fn(output, values) -> (N, ...) tensor for the N query cells; values = their true values (NaN = unknown)
 CellFn = Callable[[ModelOutput, torch.Tensor], torch.Tensor]
@@ -22,7 +25,8 @@ CellFn = Callable[[ModelOutput, torch.Tensor], torch.Tensor]
 
 def query_batch(context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray, kind: np.ndarray,
                 cardinality: np.ndarray) -> TableBatch:
-    """One table: context rows, then query rows whose `query_mask` cells are hidden (values kept for scoring)."""
+    """One table: context rows, then query rows whose `query_mask` cells are hidden (values kept for
+    scoring). Without context rows it is a batch of query rows for `TabFM.forward_queries`."""
     n_ctx = len(context_x)
     x = np.concatenate([context_x, query_x]).astype(np.float32, copy=False)
     context = np.zeros(len(x), dtype=bool)
@@ -31,7 +35,7 @@ def query_batch(context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarr
     query[n_ctx:] = query_mask
     return TableBatch.from_table(torch.from_numpy(x), torch.from_numpy(np.asarray(kind, dtype=np.int8)),
                                  torch.from_numpy(np.asarray(cardinality, dtype=np.int64)),
-                                 torch.from_numpy(context), torch.from_numpy(query))
+                                 torch.from_numpy(context), torch.from_numpy(query), validate=n_ctx > 0)
 
 
 def with_target(x: np.ndarray, y: np.ndarray | None, kind: np.ndarray, cardinality: np.ndarray,
@@ -58,41 +62,81 @@ def target_batch(
     return query_batch(ctx, qx, mask, kind_t, card_t)
 
 
+@contextlib.contextmanager
+def _inference(model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None) -> Iterator[None]:
+    """Eval mode (restored after), inference_mode, and bf16 autocast when asked for."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
+                                                    enabled=autocast_dtype is not None):
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _device_of(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    return torch.device(device) if device is not None else next(model.parameters()).device
+
+
 def forward_eval(model: nn.Module, batch: TableBatch, device: torch.device | str | None = None,
                  autocast_dtype: torch.dtype | None = None, id_seed: int = 0) -> ModelOutput:
     """Model output for the query cells of `batch`, in eval mode under inference_mode.
 
     autocast_dtype: None runs in the model's dtype (fp32); torch.bfloat16 autocasts (for CUDA).
     """
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode(), torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
-                                                    enabled=autocast_dtype is not None):
-            return model(batch.to(device), id_seed=id_seed)
-    finally:
-        model.train(was_training)
+    device = _device_of(model, device)
+    with _inference(model, device, autocast_dtype):
+        return model(batch.to(device), id_seed=id_seed)
+
+
+class ContextPredictor:
+    """One context table, encoded once; `predict` answers any number of query rows against it.
+
+    Every chunk of query rows reuses the context's cached keys/values (`TabFM.encode_context`),
+    so it costs its own rows only; answers equal one `forward_eval` over context + queries.
+    """
+
+    def __init__(self, model: nn.Module, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+                 device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
+                 id_seed: int = 0) -> None:
+        self.model, self.kind, self.cardinality = model, kind, cardinality
+        self.device, self.autocast_dtype = _device_of(model, device), autocast_dtype
+        no_query = np.zeros((0, len(kind)), dtype=np.float32)
+        batch = query_batch(context_x, no_query, no_query.astype(bool), kind, cardinality)
+        with _inference(model, self.device, autocast_dtype):
+            self.cache: ContextCache = model.encode_context(batch.to(self.device), id_seed=id_seed)
+
+    def predict(self, query_x: np.ndarray, query_mask: np.ndarray, fn: CellFn, chunk_size: int = 1024) -> np.ndarray:
+        """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy.
+
+        Query rows go through the model `chunk_size` at a time; rows without a query cell are skipped.
+        """
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        empty = np.zeros((0, len(self.kind)), dtype=np.float32)
+        rows = np.flatnonzero(np.asarray(query_mask).any(1))
+        parts = []
+        for start in range(0, len(rows), chunk_size):
+            take = rows[start:start + chunk_size]
+            batch = query_batch(empty, query_x[take], query_mask[take], self.kind, self.cardinality)
+            with _inference(self.model, self.device, self.autocast_dtype):
+                out = self.model.forward_queries(batch.to(self.device), self.cache)
+                b, r, c = out.index.unbind(1)
+                values = batch.x.to(out.index.device)[b, r, c]
+                parts.append(fn(out, values).detach().to("cpu", torch.float64).numpy())
+        return np.concatenate(parts) if parts else np.empty((0,))
 
 
 def predict_rows(model: nn.Module, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
                  kind: np.ndarray, cardinality: np.ndarray, fn: CellFn, chunk_size: int = 1024,
                  device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
                  id_seed: int = 0) -> np.ndarray:
-    """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy.
-
-    Query rows go through the model `chunk_size` at a time, each chunk with the full context;
-    rows without a query cell are skipped. Exact: query rows never see each other.
-    """
+    """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy
+    (a `ContextPredictor` used once). Exact: query rows never see each other."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    rows = np.flatnonzero(np.asarray(query_mask).any(1))
-    parts = []
-    for start in range(0, len(rows), chunk_size):
-        take = rows[start:start + chunk_size]
-        batch = query_batch(context_x, query_x[take], query_mask[take], kind, cardinality)
-        out = forward_eval(model, batch, device, autocast_dtype, id_seed)
-        b, r, c = out.index.unbind(1)
-        values = batch.x.to(out.index.device)[b, r, c]
-        parts.append(fn(out, values).detach().to("cpu", torch.float64).numpy())
-    return np.concatenate(parts) if parts else np.empty((0,))
+    if not np.asarray(query_mask).any():
+        return np.empty((0,))
+    predictor = ContextPredictor(model, context_x, kind, cardinality, device, autocast_dtype, id_seed)
+    return predictor.predict(query_x, query_mask, fn, chunk_size)

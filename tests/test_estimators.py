@@ -15,6 +15,7 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from torch import nn
 
+from data.batch import TableBatch
 from parallel import export_model
 from tabfm import cli
 from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
@@ -75,6 +76,19 @@ class StubModel(nn.Module):
         return ModelOutput(index=index, cat_logits=logits, num_logits=torch.zeros(n, self.config.n_bins),
                            mean=torch.zeros(n, dtype=torch.float64), std=torch.ones(n, dtype=torch.float64),
                            kind=batch.kind[b, c], cardinality=card, bar=self.bar)
+
+    def encode_context(self, batch, id_seed: int = 0):
+        """The cache is the context batch itself, so `forward_queries` records whole tables."""
+        return batch, id_seed
+
+    def forward_queries(self, batch, cache) -> ModelOutput:
+        ctx, id_seed = cache
+        n = ctx.x.shape[1]
+        whole = TableBatch(**{k: torch.cat([getattr(ctx, k), v], 1) if k in ("x", "row_valid", "context", "query")
+                              else v for k, v in vars(batch).items()})
+        out = self.forward(whole, id_seed)
+        out.index[:, 1] -= n  # row numbers of the query batch
+        return out
 
 
 def frame(n: int = 60, seed: int = 0) -> pd.DataFrame:
@@ -428,6 +442,10 @@ def test_anomaly_detector_scores_offset_and_contamination(export_dir):
     s = det.score_samples(X)
     assert s.shape == (80,) and np.isfinite(s).all()
     np.testing.assert_allclose(det.decision_function(X), s - det.offset_)
+    assert np.array_equal(det.offset_rows_, np.arange(80))  # max_offset_rows (512) >= 80: every fitted row
+    few = make(TabFMAnomalyDetector, export_dir, contamination=0.1, max_offset_rows=20).fit(X)
+    assert len(few.offset_rows_) == 20 and len(set(few.offset_rows_)) == 20
+    assert few.offset_ == pytest.approx(np.percentile(s[few.offset_rows_], 10.0), abs=1e-9)
     pred = det.predict(X)
     assert set(np.unique(pred)) <= {-1, 1} and (pred == -1).sum() == 8
     # fitted rows are scored with their own fold held out, whatever else is in X

@@ -12,8 +12,13 @@ No leakage on the fitted rows: they are split into `n_folds` random folds, and a
 equals a fitted row (same encoded values) is scored with that row's fold left out of the context.
 Other rows have all fitted rows as context.
 
+Each (member, fold, column group) context is encoded once and reused for every hidden column
+(`ContextPredictor`), so scoring costs about the query copies alone.
+
 sklearn convention (as IsolationForest): score_samples = -score, so HIGHER = MORE NORMAL;
-offset_ = the `contamination` quantile of the fitted rows' score_samples;
+offset_ = the `contamination` quantile of score_samples over at most `max_offset_rows` fitted rows
+(a seeded random subset, `offset_rows_`; scoring fitted rows costs as much as scoring new ones,
+so a large fit would otherwise cost more than the rows one wants scored);
 decision_function = score_samples - offset_ (negative = outlier); predict: -1 outlier, 1 inlier.
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 from data.batch import CATEGORICAL, NUMERIC
 from data.schema import CONSTANT_T, DATETIME_T
+from tabfm.inference import ContextPredictor
 from tabfm.model import ModelOutput
 from tabfm.model.predict import cell_nll
 from tabfm.weights import DEFAULT_MODEL
@@ -38,6 +44,7 @@ from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_CONTEXT_
 from .ensemble import subsample
 
 FOLD_KEY = 7  # keys the fold assignment's generator apart from the members'
+OFFSET_KEY = 8  # keys the offset rows' generator apart
 
 
 def _z_nll(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
@@ -57,6 +64,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
 
     contamination  expected fraction of outliers in the fitted rows, in (0, 0.5]: sets offset_.
     n_folds        folds of the fitted rows for leakage-free scoring of those rows (>= 2).
+    max_offset_rows  fitted rows scored at fit to set offset_ (None = all of them).
     Other parameters: see TabFMEstimator.
     """
 
@@ -64,18 +72,22 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                  random_state: int | np.random.RandomState | None = None, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 contamination: float = 0.1, n_folds: int = 5) -> None:
+                 contamination: float = 0.1, n_folds: int = 5, max_offset_rows: int | None = 512) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size)
         self.contamination = contamination
         self.n_folds = n_folds
+        self.max_offset_rows = max_offset_rows
 
     def fit(self, X: Any, y: Any = None) -> "TabFMAnomalyDetector":
         if not isinstance(self.contamination, (float, int)) or not 0.0 < self.contamination <= 0.5:
             raise ValueError(f"contamination must be a float in (0, 0.5], got {self.contamination!r}")
         if not isinstance(self.n_folds, (int, np.integer)) or self.n_folds < 2:
             raise ValueError(f"n_folds must be an int >= 2, got {self.n_folds!r}")
+        limit = self.max_offset_rows
+        if limit is not None and (not isinstance(limit, (int, np.integer)) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"max_offset_rows must be None or an int >= 1, got {limit!r}")
         self._fit_table(X)
         n = len(self.train_x_)
         if n < 2:
@@ -83,7 +95,10 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         order = np.random.default_rng([self.ensemble_seed_, FOLD_KEY]).permutation(n)
         self.folds_ = np.empty(n, dtype=np.int64)
         self.folds_[order] = np.arange(n) % min(self.n_folds, n)
-        self.offset_ = float(np.percentile(self.score_samples(X), 100.0 * self.contamination))
+        n_off = n if self.max_offset_rows is None else min(n, int(self.max_offset_rows))
+        pick = np.random.default_rng([self.ensemble_seed_, OFFSET_KEY]).choice(n, n_off, replace=False)
+        self.offset_rows_ = np.sort(pick)
+        self.offset_ = float(np.percentile(-self._scores(self.train_x_[self.offset_rows_]), 100.0 * self.contamination))
         return self
 
     def score_samples(self, X: Any) -> np.ndarray:
@@ -136,11 +151,12 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                 pool = np.arange(len(self.train_x_)) if f < 0 else np.flatnonzero(self.folds_ != f)
                 ctx_rows = subsample(m.rng(0, int(f) + 1), pool, self.max_context_rows)
                 for group in m.column_groups:
-                    total[rows] += self._group_scores(rt.for_member(m), m.view(self.train_x_[ctx_rows], group),
-                                                      m.view(x[rows], group), scored[group], group)
+                    context = self._context(rt.for_member(m), m.view(self.train_x_[ctx_rows], group),
+                                            self._kind[group], self._card[group])
+                    total[rows] += self._group_scores(context, m.view(x[rows], group), scored[group], group)
         return total / len(members)
 
-    def _group_scores(self, rt: Runtime, ctx: np.ndarray, query: np.ndarray, scored: np.ndarray,
+    def _group_scores(self, context: ContextPredictor, query: np.ndarray, scored: np.ndarray,
                       group: np.ndarray) -> np.ndarray:
         """Summed NLL per query row over the source columns of one column group, each hidden in turn.
 
@@ -163,7 +179,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                 mask[i * n_q:(i + 1) * n_q][np.ix_(hide, cols)] = True
             if not mask.any():
                 continue
-            nll = self._predict(rt, ctx, qx, mask, self._kind[group], self._card[group], _z_nll)
+            nll = context.predict(qx, mask, _z_nll, self.chunk_size)
             r, c = np.nonzero(mask)
             keep = scored[c] & ~np.isnan(nll)
             np.add.at(out, r[keep] % n_q, nll[keep])

@@ -22,7 +22,7 @@ from torch import nn
 
 from data.batch import CATEGORICAL, NUMERIC
 from data.encode import TableSchema, encode_frame
-from tabfm.inference import CellFn, predict_rows, with_target
+from tabfm.inference import CellFn, ContextPredictor, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import Member, make_members, subsample
@@ -217,6 +217,10 @@ class TabFMEstimator(BaseEstimator):
         return predict_rows(rt.model, context_x, query_x, query_mask, kind, cardinality, fn,
                             chunk_size=self.chunk_size, device=rt.device, autocast_dtype=rt.autocast,
                             id_seed=rt.id_seed)
+
+    def _context(self, rt: Runtime, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray) -> ContextPredictor:
+        """A context encoded once, for many `predict` calls (see tabfm.inference.ContextPredictor)."""
+        return ContextPredictor(rt.model, context_x, kind, cardinality, rt.device, rt.autocast, rt.id_seed)
 
 
 class SupervisedTabFMEstimator(TabFMEstimator):

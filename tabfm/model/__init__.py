@@ -2,6 +2,6 @@
 from .config import PRESETS, ModelConfig
 from .heads import BarDistribution
 from .loss import masked_cell_loss
-from .transformer import ModelOutput, TabFM
+from .transformer import ContextCache, ModelOutput, TabFM
 
-__all__ = ["TabFM", "ModelConfig", "ModelOutput", "masked_cell_loss", "BarDistribution", "PRESETS"]
+__all__ = ["TabFM", "ModelConfig", "ModelOutput", "ContextCache", "masked_cell_loss", "BarDistribution", "PRESETS"]

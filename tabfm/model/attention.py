@@ -8,6 +8,8 @@ and the module infers its local head count from the width it receives. Attention
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,6 +38,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs.to(v.dtype), v)
+
+
+@dataclass
+class KVCache:
+    """Keys/values of one row attention's key rows, after `gather_kv`: recorded by a pass over
+    a context alone, then read by passes over query rows only (eval-time inference)."""
+
+    k: torch.Tensor | None = None  # (B*C, H, Rk, hd)
+    v: torch.Tensor | None = None
+    kv_mask: torch.Tensor | None = None  # (B, Rk) bool or None (all real)
 
 
 class _FusedAttention(nn.Module):
@@ -85,18 +97,31 @@ class RowAttention(_FusedAttention):
         A replacement may return a mask of 1 row (the same for every table)."""
         return k, v, kv_mask
 
-    def forward(self, x: torch.Tensor, n_keys: int, kv_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n_keys: int, kv_mask: torch.Tensor | None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """x (B, R, C, d) with the key rows first; n_keys: how many leading rows are keys (the
         longest key set in the batch); kv_mask (B, n_keys) bool, False where a table has fewer
-        keys (None = all real)."""
+        keys (None = all real).
+
+        cache: an empty KVCache records this call's keys/values; a filled one supplies them
+        instead, and then every row of x is a query row (n_keys and kv_mask are ignored)."""
         b, r, c, _ = x.shape
-        qkv = self.qkv(x).view(b, r, c, -1, 3, self.head_dim)
-        h = qkv.shape[3]
-        q, k, v = qkv.unbind(4)  # (B, R, C, H, hd); unbind keeps the backward to one stack
-        if n_keys < r:
-            k, v = k[:, :n_keys], v[:, :n_keys]
-        q, k, v = (t.permute(0, 2, 3, 1, 4).reshape(b * c, h, t.shape[1], self.head_dim) for t in (q, k, v))
-        k, v, kv_mask = self.gather_kv(k, v, kv_mask)
+        if cache is not None and cache.k is not None:
+            w = self.qkv.weight
+            h = w.shape[0] // (3 * self.head_dim)
+            w_q = w.view(h, 3, self.head_dim, -1)[:, 0].reshape(h * self.head_dim, -1)  # head-major layout
+            q = F.linear(x, w_q).view(b, r, c, h, self.head_dim).permute(0, 2, 3, 1, 4).reshape(b * c, h, r, self.head_dim)
+            k, v, kv_mask = cache.k, cache.v, cache.kv_mask
+        else:
+            qkv = self.qkv(x).view(b, r, c, -1, 3, self.head_dim)
+            h = qkv.shape[3]
+            q, k, v = qkv.unbind(4)  # (B, R, C, H, hd); unbind keeps the backward to one stack
+            if n_keys < r:
+                k, v = k[:, :n_keys], v[:, :n_keys]
+            q, k, v = (t.permute(0, 2, 3, 1, 4).reshape(b * c, h, t.shape[1], self.head_dim) for t in (q, k, v))
+            k, v, kv_mask = self.gather_kv(k, v, kv_mask)
+            if cache is not None:
+                cache.k, cache.v, cache.kv_mask = k, v, kv_mask
         mask = None
         if kv_mask is not None:
             rk = kv_mask.shape[1]

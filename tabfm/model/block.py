@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import ColumnAttention, RowAttention
+from .attention import ColumnAttention, KVCache, RowAttention
 from .config import ModelConfig
 
 
@@ -41,8 +41,9 @@ class TableBlock(nn.Module):
         col_mask: torch.Tensor | None,
         n_keys: int,
         kv_mask: torch.Tensor | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """x (B, R, C, d), key rows first; masks as in ColumnAttention / RowAttention."""
+        """x (B, R, C, d), key rows first; masks and cache as in ColumnAttention / RowAttention."""
         x = x + self.drop(self.col_attn(self.norm_col(x), col_mask))
-        x = x + self.drop(self.row_attn(self.norm_row(x), n_keys, kv_mask))
+        x = x + self.drop(self.row_attn(self.norm_row(x), n_keys, kv_mask, cache))
         return x + self.drop(self.mlp(self.norm_mlp(x)))

@@ -123,15 +123,35 @@ def squash(z: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- encoder
+class ColumnFacts(NamedTuple):
+    """What the context rows fix about each column: the same for every row that is encoded."""
+
+    mean: torch.Tensor  # float64 (B, C) context mean used for standardisation
+    std: torch.Tensor  # float64 (B, C) context std used for standardisation
+    col_vec: torch.Tensor  # float32 (B, C, id_dim) column identity vector
+    code_vectors: torch.Tensor  # float32 (B, C, K_table, id_dim) identity vector of each code
+
+
 class EncodedTable(NamedTuple):
-    tokens: torch.Tensor  # (B, T + R, C, d): thinking rows first, then the table's rows
+    tokens: torch.Tensor  # (B, T + R, C, d): thinking rows first (when asked for), then the table's rows
     mean: torch.Tensor  # float64 (B, C) context mean used for standardisation
     std: torch.Tensor  # float64 (B, C) context std used for standardisation
     code_vectors: torch.Tensor  # float32 (B, C, K_table, id_dim) identity vector of each code
 
 
+def _visible(batch: TableBatch) -> torch.Tensor:
+    """(B, R, C) values with hidden and padding cells NaN."""
+    cell_valid = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
+    return batch.visible_x().masked_fill(~cell_valid, float("nan"))
+
+
 class CellEncoder(nn.Module):
-    """TableBatch -> per-cell tokens. See the module docstring for what a token carries."""
+    """TableBatch -> per-cell tokens. See the module docstring for what a token carries.
+
+    `forward` = `columns` (what the context rows fix: statistics and identities) then `embed`
+    (tokens of any rows given those facts). Split so a context can be described once and query
+    rows embedded later against it (`TabFM.encode_context`).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -159,16 +179,14 @@ class CellEncoder(nn.Module):
             seeds = mix32(seeds ^ mix32(torch.tensor(int(id_seed) & _M32, device=seeds.device)))
         return seeds
 
-    def forward(self, batch: TableBatch, id_seed: int = 0) -> EncodedTable:
-        b, r, c = batch.shape
+    def columns(self, batch: TableBatch, id_seed: int = 0) -> ColumnFacts:
+        """Statistics and identities of each column, from the batch's context rows."""
+        b, _, c = batch.shape
         e = self.config.id_dim
-        cell_valid = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
-        x = batch.visible_x().masked_fill(~cell_valid, float("nan"))  # hidden + padding -> NaN
-        context_rows = batch.context & batch.row_valid
-        sums = self.stats(x, context_rows, with_hash=not self.training)
+        x = _visible(batch)
+        sums = self.stats(x, batch.context & batch.row_valid, with_hash=not self.training)
         mean, std = mean_std(sums)
         seeds = self.column_seeds(batch, sums, id_seed)
-
         # random identities: counter 0..e-1 -> column vector, (k+1)*e + j -> code k
         k_table = max(self.config.max_categories, int(batch.cardinality.max()) if batch.cardinality.numel() else 0)
         counters = torch.arange((k_table + 1) * e, device=x.device)
@@ -179,7 +197,13 @@ class CellEncoder(nn.Module):
         else:
             vecs = hash_normal(seeds[:, :, None], counters).view(b, c, k_table + 1, e)
             col_vec, code_vec = vecs[:, :, 0], vecs[:, :, 1:]  # (B, C, e), (B, C, K, e)
+        return ColumnFacts(mean=mean, std=std, col_vec=col_vec, code_vectors=code_vec)
 
+    def embed(self, batch: TableBatch, facts: ColumnFacts, thinking: bool = True) -> EncodedTable:
+        """Tokens of the batch's rows given the column facts; `thinking` prepends the thinking rows."""
+        b, r, c = batch.shape
+        x = _visible(batch)
+        mean, std, col_vec, code_vec = facts
         kind = batch.kind.long()[:, None, :]  # (B, 1, C)
         missing = torch.isnan(x)
         hidden = batch.query
@@ -202,9 +226,14 @@ class CellEncoder(nn.Module):
         else:  # every parameter stays in the graph (data-parallel wrappers expect gradients for all)
             col_tok = col_tok + 0.0 * code_tok.sum()
 
-        if self.config.n_thinking_rows:
+        if not self.config.n_thinking_rows:
+            tokens = tokens + (col_tok + self.thinking.sum())  # empty sum: 0, keeps the parameter in the graph
+        elif thinking:
             think = self.thinking[None, :, None, :] + col_tok  # (B, T, C, d)
             tokens = torch.cat([think.to(tokens.dtype), tokens + col_tok], dim=1)
         else:
-            tokens = tokens + (col_tok + self.thinking.sum())  # empty sum: 0, keeps the parameter in the graph
+            tokens = tokens + col_tok
         return EncodedTable(tokens=tokens, mean=mean, std=std, code_vectors=code_vec)
+
+    def forward(self, batch: TableBatch, id_seed: int = 0) -> EncodedTable:
+        return self.embed(batch, self.columns(batch, id_seed))

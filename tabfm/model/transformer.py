@@ -21,9 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from data.batch import TableBatch
 from parallel.plan import ParallelPlan
 
+from .attention import KVCache
 from .block import TableBlock
 from .config import ModelConfig
-from .encoder import CellEncoder
+from .encoder import CellEncoder, ColumnFacts
 from .heads import BarDistribution, CategoricalHead, NumericHead
 
 
@@ -53,6 +54,17 @@ class ModelOutput:
 
     def __len__(self) -> int:
         return int(self.index.shape[0])
+
+
+@dataclass
+class ContextCache:
+    """A context encoded once (`TabFM.encode_context`): its column facts and, per block, the
+    row attention's keys/values. Query rows then cost only their own cells (`forward_queries`)."""
+
+    facts: ColumnFacts
+    kv: list[KVCache]
+    n_tables: int
+    n_columns: int
 
 
 def _keys_first(batch: TableBatch) -> tuple[TableBatch, torch.Tensor | None]:
@@ -141,34 +153,79 @@ class TabFM(nn.Module):
         batch, pos = _keys_first(batch)
         if pos is not None:
             ri = pos[bi, ri]
-        enc = self.encoder(batch, id_seed)
+        facts = self.encoder.columns(batch, id_seed)
+        x = self.encoder.embed(batch, facts).tokens
         col_mask, n_keys, kv_mask = _attention_masks(batch, t)
-        x = enc.tokens
         use_ckpt = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if use_ckpt:
                 x = checkpoint(block, x, col_mask, n_keys, kv_mask, use_reentrant=False)
             else:
                 x = block(x, col_mask, n_keys, kv_mask)
+        return self._heads(x[bi, ri + t, ci], index, batch, facts)
 
-        h = self.norm(x[bi, ri + t, ci])  # heads only on query cells
+    def _heads(self, h: torch.Tensor, index: torch.Tensor, batch: TableBatch, facts: ColumnFacts) -> ModelOutput:
+        """ModelOutput from the final tokens h (N, d) of the query cells at `index`."""
+        bi, ci = index[:, 0], index[:, 2]
+        h = self.norm(h)  # heads only on query cells
         card = batch.cardinality[bi, ci].long()
-        k = cfg.max_categories
-        cat_logits = self.cat_head(h, enc.code_vectors[bi, ci, :k], card)
+        k = self.config.max_categories
+        cat_logits = self.cat_head(h, facts.code_vectors[bi, ci, :k], card)
         num_logits = self.num_head(h).float()
         return ModelOutput(
             index=index,
             cat_logits=cat_logits,
             num_logits=num_logits,
-            mean=enc.mean[bi, ci],
-            std=enc.std[bi, ci],
+            mean=facts.mean[bi, ci],
+            std=facts.std[bi, ci],
             kind=batch.kind[bi, ci],
             cardinality=card,
             bar=self.num_head.bar,
         )
 
+    # ------------------------------------------------------------------ cached inference
+    def encode_context(self, batch: TableBatch, id_seed: int = 0) -> ContextCache:
+        """Run a batch of context rows only (eval mode) and keep what query rows need of it.
+
+        `forward_queries(rows, cache)` on any rows then equals `forward` on the context and
+        those rows together (query rows never influence other rows), at the cost of the query
+        rows alone: the context is not recomputed for every chunk of queries.
+        """
+        if self.training:
+            raise RuntimeError("encode_context is for inference: call model.eval() first")
+        if bool(batch.query.any()) or not bool((batch.context | ~batch.row_valid).all()):
+            raise ValueError("encode_context takes context rows only (no query cells, every valid row context)")
+        facts = self.encoder.columns(batch, id_seed)
+        x = self.encoder.embed(batch, facts).tokens
+        col_mask, n_keys, kv_mask = _attention_masks(batch, self.config.n_thinking_rows)
+        caches = [KVCache() for _ in self.blocks]
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, col_mask, n_keys, kv_mask, cache)
+        return ContextCache(facts=facts, kv=caches, n_tables=batch.shape[0], n_columns=batch.shape[2])
+
+    def forward_queries(self, batch: TableBatch, cache: ContextCache) -> ModelOutput:
+        """Predictions for the query cells of `batch`, rows attending to the cached context.
+
+        `batch` holds non-context rows only, with the same tables and columns (kind,
+        cardinality, col_valid) as the batch the cache was encoded from.
+        """
+        b, _, c = batch.shape
+        if (b, c) != (cache.n_tables, cache.n_columns):
+            raise ValueError(f"query batch has {b} tables x {c} columns; the cached context has "
+                             f"{cache.n_tables} x {cache.n_columns}")
+        if bool((batch.context & batch.row_valid).any()):
+            raise ValueError("forward_queries takes non-context rows only; put context rows in encode_context")
+        index = batch.query.nonzero()
+        x = self.encoder.embed(batch, cache.facts, thinking=False).tokens
+        col_mask = _attention_masks(batch, 0)[0]
+        for block, kv in zip(self.blocks, cache.kv):
+            x = block(x, col_mask, 0, None, kv)
+        return self._heads(x[index[:, 0], index[:, 1], index[:, 2]], index, batch, cache.facts)
+
     def parallel_plan(self) -> ParallelPlan:
-        """How the engine may split this model (see parallel/plan.py)."""
+        """How the engine may split this model (see parallel/plan.py; pipeline stages: .pipeline)."""
+        from .pipeline import pipeline_plan  # imports this module
+
         n = self.config.n_layers
         return ParallelPlan(
             blocks=[f"blocks.{i}" for i in range(n)],
@@ -183,4 +240,5 @@ class TabFM(nn.Module):
             row_attention=[f"blocks.{i}.row_attn" for i in range(n)],
             row_statistics=["encoder.stats"],
             num_heads=self.config.n_heads,
+            pipeline=pipeline_plan(self),
         )
