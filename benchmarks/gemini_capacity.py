@@ -15,7 +15,8 @@ Capacity = the most layers whose `GeminiPlugin.estimate` fits both budgets (bina
 meta-device model, no allocation), then verified by really training one step at that size
 (peak device bytes must stay under the budget). Step time: a model that fits all three ways
 (half the all-device capacity), timed with everything offloaded (host: all params and state
-on host; disk: params on host, state on disk) relative to all-device.
+on host; disk: params on host, state on disk) relative to all-device, and with placement="auto"
+(params homed on host, optimizer state on host, the budget a farthest-next-use cache).
 
     python benchmarks/gemini_capacity.py            # 256 MiB device budget, d=1024
     python benchmarks/gemini_capacity.py --quick    # 16 MiB, d=256: seconds
@@ -106,7 +107,8 @@ def run(cfg: dict, d: int, layers: int, budget: int, steps: int, batch: int) -> 
         plugin.close()
         del model, opt, m
     return {"step_s": min(times[1:] or times), "peak_device_bytes": rep["device_peak_bytes"],
-            "n_chunks": rep["n_chunks"], "padding_frac": rep["padding_frac"]}
+            "n_chunks": rep["n_chunks"], "padding_frac": rep["padding_frac"], "prefetch_hits": rep["prefetch_hits"],
+            "non_model_bytes": rep["non_model_bytes"]}
 
 
 def main() -> None:
@@ -149,6 +151,13 @@ def main() -> None:
                     "timed_peak_device_mib": r["peak_device_bytes"] / MiB, "n_chunks": r["n_chunks"],
                     "padding_frac": r["padding_frac"]})
 
+    # auto placement at the same size and budget: params homed on host, the budget (minus the
+    # activations measured in the warm-up step) a farthest-next-use cache with prefetch
+    auto = run(dict(placement="auto", offload_optim_frac=1.0), d, n_time, budget, steps, batch)
+    auto_row = {"mode": "auto", "timed_layers": n_time, "step_s": auto["step_s"], "step_rel": auto["step_s"] / base,
+                "timed_peak_device_mib": auto["peak_device_bytes"] / MiB, "prefetch_hits": auto["prefetch_hits"],
+                "non_model_mib": auto["non_model_bytes"] / MiB}
+
     print(f"device budget {budget / MiB:.0f} MiB, host budget {host_budget / MiB:.0f} MiB, Linear({d},{d}) layers, "
           f"AdamW fp32 (16 B/param); step time at {n_time} layers, batch {batch}, 1 thread")
     print(f"{'mode':<11} {'max layers':>10} {'max params':>12} {'state MiB':>10} {'peak MiB':>9} "
@@ -157,10 +166,14 @@ def main() -> None:
         print(f"{r['mode']:<11} {r['max_layers']:>10} {r['max_params']:>12,} {r['train_state_mib']:>10.1f} "
               f"{r.get('verified_peak_device_mib', float('nan')):>9.1f} {r['step_s']:>8.3f} {r['step_rel']:>6.2f}  "
               f"{r['placement']}")
+    print(f"auto (params on host, optimizer state on host) at {n_time} layers: {auto_row['step_s']:.3f} s/step "
+          f"({auto_row['step_rel']:.2f}x), peak {auto_row['timed_peak_device_mib']:.1f} MiB incl. "
+          f"{auto_row['non_model_mib']:.1f} MiB measured activations, {auto_row['prefetch_hits']} prefetch hits")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device_budget_bytes": budget, "host_budget_bytes": host_budget, "d": d,
-                               "batch": batch, "quick": args.quick, "torch": torch.__version__, "rows": rows},
+                               "batch": batch, "quick": args.quick, "torch": torch.__version__, "rows": rows,
+                               "auto": auto_row},
                               indent=1))
     print(f"wrote {out}")
 

@@ -261,6 +261,17 @@ class ShardedCheckpointIO(CheckpointIO):
             raise RuntimeError(f"rank 0 failed to {what}: {box[1]}")
         return box[0]
 
+    # --- what a rank saves and how loaded model state is applied (overridden by IOs whose
+    # state does not live in a torch module/optimizer, e.g. the Gemini chunk manager) --------
+    def _model_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(module)
+
+    def _optimizer_state(self, module: nn.Module, optimizer: Any) -> dict[str, Any]:
+        return _get_optimizer_state(module, _inner_optimizer(optimizer))
+
+    def _set_model_state(self, module: nn.Module, msd: dict[str, torch.Tensor], strict: bool) -> None:
+        set_model_state_dict(module, msd, options=StateDictOptions(strict=strict))
+
     # --- save ------------------------------------------------------------------------------
     def save_checkpoint(self, path, meta: CheckpointMeta, model=None, optimizer=None, lr_scheduler=None, extra=None,
                         keep_last=None) -> Path:
@@ -273,9 +284,9 @@ class ShardedCheckpointIO(CheckpointIO):
             payload: dict[str, Any] = {"rng": capture_rng_state(), "trainer": dict(extra or {})}
             module = unwrap_model(model) if model is not None else None
             if module is not None:
-                tensors.update({_MODEL + k: v for k, v in get_model_state_dict(module).items()})
+                tensors.update({_MODEL + k: v for k, v in self._model_state(module).items()})
             if optimizer is not None:
-                osd = _get_optimizer_state(module, _inner_optimizer(optimizer))
+                osd = self._optimizer_state(module, optimizer)
                 opt_tensors, scalars = _split_state(osd["state"])
                 tensors.update(opt_tensors)
                 payload["optimizer"] = {"param_groups": osd["param_groups"], "state": scalars}
@@ -339,7 +350,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if module is not None:
             _dcp_load(targets, path / DCP_DIR, self.group)
         if msd is not None:
-            set_model_state_dict(module, msd, options=StateDictOptions(strict=strict))
+            self._set_model_state(module, msd, strict)
         if opt is not None:
             self._set_optimizer_state(module, optim, opt, targets)
             scaler = getattr(optimizer, "scaler", None)

@@ -276,8 +276,10 @@ def test_grad_accumulation_with_no_sync():
 
 
 def test_refuses_what_this_slice_does_not_do():
-    with pytest.raises(NotImplementedError, match="static"):
-        GeminiPlugin(placement="auto")
+    with pytest.raises(ValueError, match="static"):
+        GeminiPlugin(placement="fastest")
+    with pytest.raises(ValueError, match="auto"):
+        GeminiPlugin(placement="auto", offload_param_frac=0.5)
     with pytest.raises(ValueError, match="precision"):
         GeminiPlugin(precision="fp16")
     with pytest.raises(TypeError, match="Adam"):

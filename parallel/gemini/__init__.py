@@ -1,7 +1,10 @@
-"""Gemini: chunk-based heterogeneous memory (device budget, host, disk) for one process."""
+"""Gemini: chunk-based heterogeneous memory (device budget, host, disk), sharded over ranks."""
 from .chunks import Chunk, ChunkManager, TensorState, choose_chunk_size
-from .plugin import GeminiOptimizer, GeminiPlugin
+from .comm import ShardComm
+from .optim import GeminiOptimizer
+from .placement import AutoPolicy, LRUPolicy
+from .plugin import GeminiPlugin
 from .tiers import DeviceBudget, DeviceBudgetError, DiskStore
 
-__all__ = ["Chunk", "ChunkManager", "DeviceBudget", "DeviceBudgetError", "DiskStore", "GeminiOptimizer",
-           "GeminiPlugin", "TensorState", "choose_chunk_size"]
+__all__ = ["AutoPolicy", "Chunk", "ChunkManager", "DeviceBudget", "DeviceBudgetError", "DiskStore", "GeminiOptimizer",
+           "GeminiPlugin", "LRUPolicy", "ShardComm", "TensorState", "choose_chunk_size"]

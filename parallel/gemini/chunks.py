@@ -1,24 +1,38 @@
-"""Chunks: parameters grouped in model order into fixed-size flat fp32 buffers.
+"""Chunks: parameters grouped in model order into fixed-size flat fp32 buffers, sharded over
+the data-parallel ranks (ZeRO-3 style) when there are several.
 
-Each chunk holds, for its parameters, the fp32 master data, the gradients and the Adam/AdamW
-state (exp_avg, exp_avg_sq, per-parameter step counts) as flat buffers of `chunk_size`
-elements (the tail past the last parameter is padding, reported as waste). Where each buffer
-lives is a static placement decided per chunk:
+A chunk of `size` elements (a multiple of the world size W) is split into W shards of
+S = size/W elements; rank r keeps elements [r*S, (r+1)*S): the fp32 master, the gradient and
+the Adam/AdamW state (exp_avg, exp_avg_sq) of that range (with W = 1 the shard is the chunk).
+Per-tensor Adam step counts are kept on every rank. Where each shard lives is decided per chunk:
 
-  params on "device"   master + grad resident in the device budget for the whole run; the
-                       parameters' `.data` are views of the master buffer.
-  params on "host"     master + grad outside the budget; `acquire` copies the master into a
-                       device buffer (reserved in the budget) and points the parameters at it;
-                       `release` frees it and points them back at the host master, or (after a
-                       forward with grad enabled) leaves it cached for the coming backward. Cached
-                       copies are evicted LRU-first when a reservation would exceed the budget,
-                       and all are flushed at the end of backward, before a step and around IO.
-  optim on "device" / "host" / "disk"   where exp_avg/exp_avg_sq live and the step runs; disk
-                       state is streamed through the DiskStore by a background thread.
+  params "device"   master + grad shard resident in the device budget for the whole run.
+  params "host"     master + grad shard outside the budget.
+  optim  "device" / "host" / "disk"   where exp_avg/exp_avg_sq live and the step runs; disk state
+                    is streamed through the DiskStore by a background thread.
 
-Per-tensor state machine: HOLD (not in use) -> COMPUTE (its chunk is fetched for a forward
-or backward) -> READY (its gradient was collected into the chunk) -> HOLD after the step or
-zero_grad.
+Compute copies. A module's parameters must be whole while it runs. With W = 1 a device chunk's
+parameters are views of its master. Every other chunk (host params, or any chunk when W > 1) is
+*fetched*: a full-size buffer is reserved in the budget and filled (copied from the host master,
+or all-gathered from the W shards), and the parameters are pointed at views of it. `release`
+frees it, or (after a forward with grad enabled) leaves it cached for the coming backward;
+cached copies are evicted by the cache policy (LRU, or farthest-next-use under auto placement)
+when a reservation would exceed the budget, and all are flushed at the end of backward and
+before a step. A released W > 1 chunk leaves its parameters as empty tensors (reading one is
+an error, not stale data). Autograd does not keep freed copies alive: the saved-tensor hooks
+of the plugin store a reference (chunk, offset, size, stride) for every tensor that lives in a
+compute copy and re-read it from the re-fetched copy in backward.
+
+Gradients. With W = 1 each parameter's gradient is added into the chunk's grad buffer. With
+W > 1 it goes into a full-size chunk gradient buffer (reserved in the budget) that is
+reduce-scattered into the grad shard (and divided by W: the data-parallel mean) as soon as every
+gradient of the chunk has arrived, or at the end of backward for chunks some of whose
+parameters got none. Every rank must use the same parameters in every backward (as for DDP
+without find_unused_parameters): the collectives run in the order gradients complete.
+
+Per-tensor state machine: HOLD (not in use) -> COMPUTE (its chunk is fetched for a forward or
+backward) -> READY (its gradient is in the chunk) -> REDUCED (W > 1: reduce-scattered into the
+shards) -> HOLD after zero_grad.
 """
 from __future__ import annotations
 
@@ -30,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .comm import ShardComm
+from .placement import LRUPolicy
 from .tiers import DeviceBudget
 
 F32 = 4  # bytes per element
@@ -39,9 +55,13 @@ class TensorState(enum.Enum):
     HOLD = "hold"
     COMPUTE = "compute"
     READY = "grad_ready"
+    REDUCED = "reduced"
 
 
-@dataclass
+GRAD_STATES = (TensorState.READY, TensorState.REDUCED)
+
+
+@dataclass(eq=False)  # identity: used as a dict key
 class TensorInfo:
     param: nn.Parameter
     name: str
@@ -51,34 +71,66 @@ class TensorInfo:
     shape: torch.Size
     state: TensorState = TensorState.HOLD
     step: int = 0  # Adam step count of this tensor (0: no optimizer state yet)
+    has_grad: bool = False  # a gradient arrived for it since the last zero_grad
 
 
-@dataclass
+@dataclass(eq=False)
 class Chunk:
     index: int
-    size: int                     # elements, padding included
+    size: int                     # elements, padding included (a multiple of the world size)
     group: int                    # optimizer param group
     param_tier: str = "device"    # "device" | "host"
     optim_tier: str = "device"    # "device" | "host" | "disk"
     tensors: list[TensorInfo] = field(default_factory=list)
     used: int = 0                 # elements holding parameters
-    master: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None      # None when on disk
+    shard_size: int = 0           # S = size / world
+    shard_offset: int = 0         # rank * S
+    sharded: bool = False
+    master: torch.Tensor | None = None       # local shard (S)
+    grad: torch.Tensor | None = None         # local shard (S)
+    exp_avg: torch.Tensor | None = None      # local shard (S); None when on disk
     exp_avg_sq: torch.Tensor | None = None
-    compute: torch.Tensor | None = None      # device copy of a host chunk while fetched
+    compute: torch.Tensor | None = None      # full-size copy while fetched
+    grad_full: torch.Tensor | None = None    # W > 1: full-size gradient buffer during backward
+    grads_expected: int = 0                  # tensors of this chunk that require grad
+    grads_seen: int = 0                      # gradients collected since the last reduce-scatter
     refs: int = 0
+    prefetched: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.size * F32
 
-    def view(self, flat: torch.Tensor, t: TensorInfo) -> torch.Tensor:
-        return flat[t.offset:t.offset + t.numel].view(t.shape)
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard_size * F32
+
+    @property
+    def needs_fetch(self) -> bool:
+        """Its parameters are not views of a resident master: they are fetched to run."""
+        return self.sharded or self.param_tier == "host"
 
     @property
     def fetched(self) -> bool:
-        return self.param_tier == "device" or self.compute is not None
+        return not self.needs_fetch or self.compute is not None
+
+    @property
+    def local_used(self) -> int:
+        """Elements of the local shard that hold parameters (the rest is padding)."""
+        return min(max(self.used - self.shard_offset, 0), self.shard_size)
+
+    def view(self, flat: torch.Tensor, t: TensorInfo) -> torch.Tensor:
+        """The tensor's view in a full-size buffer."""
+        return flat[t.offset:t.offset + t.numel].view(t.shape)
+
+    def local_range(self, t: TensorInfo) -> tuple[int, int, int] | None:
+        """(start in the shard, start in the flattened tensor, length) of the part of `t` this
+        rank's shard holds, or None."""
+        lo = max(t.offset, self.shard_offset)
+        hi = min(t.offset + t.numel, self.shard_offset + self.shard_size)
+        if hi <= lo:
+            return None
+        return lo - self.shard_offset, lo - t.offset, hi - lo
 
 
 def choose_chunk_size(numels: list[int], min_chunks: int = 4, align: int = 64) -> tuple[int, int]:
@@ -110,34 +162,46 @@ def pack_waste(numels: list[int], size: int) -> int:
 
 
 class ChunkManager:
-    """Owns the chunks of one model, their tiers and the device budget."""
+    """Owns the chunks of one model, their shards, tiers, compute copies and the device budget."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter, int]], chunk_size: int | None,
-                 budget: DeviceBudget, disk=None) -> None:
+                 budget: DeviceBudget, disk=None, comm: ShardComm | None = None, policy=None) -> None:
         self.budget = budget
         self.disk = disk
+        self.comm = comm if comm is not None else ShardComm()
+        self.policy = policy if policy is not None else LRUPolicy()
         numels = [p.numel() for _, p, _ in named_params]
         if chunk_size is None:
             chunk_size, _ = choose_chunk_size(numels)
         elif chunk_size < max(numels):
             raise ValueError(f"chunk_size={chunk_size} is smaller than the largest parameter ({max(numels)} elements)")
-        self.chunk_size = int(chunk_size)
+        world = self.comm.world
+        self.chunk_size = -(-int(chunk_size) // world) * world  # W equal shards
         self.chunks: list[Chunk] = []
         self.tensors: dict[nn.Parameter, TensorInfo] = {}
         self.order: list[TensorInfo] = []
-        self.cached: "OrderedDict[int, Chunk]" = OrderedDict()  # released host chunks still on device, LRU first
+        self.cached: "OrderedDict[int, Chunk]" = OrderedDict()  # released copies still on device, LRU first
+        self.compute_ptrs: dict[int, Chunk] = {}  # storage pointer of a compute copy -> its chunk
+        self.master_ptrs: set[int] = set()        # storage pointers of the masters (model memory)
         self.fetches = 0
         self.evictions = 0
+        self.prefetches = 0
+        self.prefetch_hits = 0
+        self.reduce_scatters = 0
+        self.non_model_bytes = 0  # reserved after an auto warm-up: activations saved for backward
+        S = self.chunk_size // world
         for name, p, group in named_params:
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {name} is {p.dtype}; Gemini keeps fp32 master chunks (give fp32 params)")
             c = self.chunks[-1] if self.chunks else None
             if c is None or c.group != group or c.used + p.numel() > self.chunk_size:
-                c = Chunk(index=len(self.chunks), size=self.chunk_size, group=group)
+                c = Chunk(index=len(self.chunks), size=self.chunk_size, group=group, shard_size=S,
+                          shard_offset=self.comm.rank * S, sharded=self.comm.sharded)
                 self.chunks.append(c)
             t = TensorInfo(param=p, name=name, chunk=c, offset=c.used, numel=p.numel(), shape=p.shape)
             c.tensors.append(t)
             c.used += p.numel()
+            c.grads_expected += int(p.requires_grad)
             self.tensors[p] = t
             self.order.append(t)
 
@@ -159,60 +223,106 @@ class ChunkManager:
                 c.optim_tier = "device"
 
     def resident_bytes_needed(self) -> int:
-        """Bytes permanently on device: master+grad of device-param chunks, state of device-optim chunks."""
-        return sum((2 * c.nbytes if c.param_tier == "device" else 0) + (2 * c.nbytes if c.optim_tier == "device" else 0)
-                   for c in self.chunks)
+        """Bytes permanently on device: master+grad shards of device-param chunks, state shards of
+        device-optim chunks (plus the non-model reservation of an auto placement)."""
+        return sum((2 * c.shard_nbytes if c.param_tier == "device" else 0)
+                   + (2 * c.shard_nbytes if c.optim_tier == "device" else 0) for c in self.chunks)
 
     def materialize(self) -> None:
-        """Move every parameter into its chunk's flat master buffer (reserving device bytes)."""
+        """Move every parameter into its chunk: rank 0's values (broadcast) are the model; each
+        rank keeps its shard of master, grad and optimizer state (reserving device bytes)."""
         for c in self.chunks:
             if c.param_tier == "device":
-                self.budget.reserve(2 * c.nbytes, f"chunk {c.index} params+grads")
+                self.budget.reserve(2 * c.shard_nbytes, f"chunk {c.index} params+grads")
             if c.optim_tier == "device":
-                self.budget.reserve(2 * c.nbytes, f"chunk {c.index} optimizer state")
-            c.master = torch.zeros(c.size, dtype=torch.float32)
-            c.grad = torch.zeros(c.size, dtype=torch.float32)
+                self.budget.reserve(2 * c.shard_nbytes, f"chunk {c.index} optimizer state")
+            full = torch.zeros(c.size, dtype=torch.float32)
+            with torch.no_grad():
+                for t in c.tensors:
+                    c.view(full, t).copy_(t.param.detach())
+            self.comm.broadcast(full, src=0)
+            c.master = full if not c.sharded else full[c.shard_offset:c.shard_offset + c.shard_size].clone()
+            c.grad = torch.zeros(c.shard_size, dtype=torch.float32)
+            self.master_ptrs.add(c.master.untyped_storage().data_ptr())
             for t in c.tensors:
-                with torch.no_grad():
-                    c.view(c.master, t).copy_(t.param.detach())
-                t.param.data = c.view(c.master, t)
+                t.param.data = self._released_view(c, t)
             if c.optim_tier == "disk":
-                zeros = torch.zeros(2 * c.size, dtype=torch.float32)
-                self.disk.write(self.disk_key(c), zeros).result()
+                self.disk.write(self.disk_key(c), torch.zeros(2 * c.shard_size, dtype=torch.float32)).result()
             else:
-                c.exp_avg = torch.zeros(c.size, dtype=torch.float32)
-                c.exp_avg_sq = torch.zeros(c.size, dtype=torch.float32)
+                c.exp_avg = torch.zeros(c.shard_size, dtype=torch.float32)
+                c.exp_avg_sq = torch.zeros(c.shard_size, dtype=torch.float32)
 
     @staticmethod
     def disk_key(c: Chunk) -> str:
         return f"chunk{c.index:05d}-optim"
 
+    @staticmethod
+    def _released_view(c: Chunk, t: TensorInfo) -> torch.Tensor:
+        """What a parameter holds while its chunk is not fetched: a view of the master (W = 1),
+        or an empty tensor (W > 1: the full value exists only while gathered)."""
+        return c.view(c.master, t) if not c.sharded else torch.empty(0, dtype=torch.float32)
+
     # --- fetch / release ---------------------------------------------------------------------
     def reserve(self, nbytes: int, what: str) -> None:
-        """Reserve device bytes, evicting cached (released, still resident) host-chunk copies,
-        least recently used first, until the request fits; refuse if it still does not."""
+        """Reserve device bytes, evicting cached (released, still resident) copies in the
+        policy's order until the request fits; refuse if it still does not."""
         budget = self.budget
         while (budget.budget_bytes is not None and self.cached
                and budget.resident_bytes + nbytes > budget.budget_bytes):
-            self.evict(next(iter(self.cached.values())))
+            self.evict(self.cached[self.policy.victim(self.cached)])
         budget.reserve(nbytes, what)
 
+    def _fetch(self, c: Chunk) -> None:
+        """Reserve a full-size device buffer and fill it (host copy or all-gather of the shards)."""
+        why = "all-gathering its shards" if c.sharded else "params offloaded to host"
+        self.reserve(c.nbytes, f"fetching chunk {c.index} ({why})")
+        buf = torch.empty(c.size, dtype=torch.float32)
+        self.comm.all_gather(buf, c.master)  # W = 1: a host -> device copy
+        c.compute = buf
+        self.compute_ptrs[buf.untyped_storage().data_ptr()] = c
+        for t in c.tensors:
+            t.param.data = c.view(buf, t)
+        self.fetches += 1
+
     def acquire(self, c: Chunk) -> None:
-        if c.param_tier == "host" and c.refs == 0:
-            if self.cached.pop(c.index, None) is None:
-                self.reserve(c.nbytes, f"fetching chunk {c.index} (params offloaded to host)")
-                c.compute = c.master.clone()  # host -> device copy
-                for t in c.tensors:
-                    t.param.data = c.view(c.compute, t)
-                self.fetches += 1
+        if c.needs_fetch and c.refs == 0:
+            if c.index in self.cached:
+                del self.cached[c.index]
+                if c.prefetched:
+                    self.prefetch_hits += 1
+            elif c.compute is None:
+                self._fetch(c)
+            c.prefetched = False
+        if c.needs_fetch:
+            self.policy.on_acquire(c.index)
         c.refs += 1
         for t in c.tensors:
             if t.state is TensorState.HOLD:
                 t.state = TensorState.COMPUTE
+        if c.needs_fetch:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Fetch the policy's next chunks ahead of use while they fit (auto placement), evicting
+        only copies whose next use lies beyond theirs."""
+        for index in self.policy.prefetch(lambda i: self.chunks[i].refs > 0 or self.chunks[i].compute is not None):
+            c = self.chunks[index]
+            budget = self.budget
+            while budget.budget_bytes is not None and budget.resident_bytes + c.nbytes > budget.budget_bytes:
+                if not self.cached:
+                    return
+                victim = self.policy.victim(self.cached)
+                if self.policy.next_use(victim) <= self.policy.next_use(index):
+                    return
+                self.evict(self.cached[victim])
+            self._fetch(c)
+            c.prefetched = True
+            self.cached[c.index] = c
+            self.prefetches += 1
 
     def release(self, c: Chunk, keep: bool = False) -> None:
-        """Drop one hold; at zero a host chunk's device copy is freed, or with `keep` stays
-        cached (evictable) so a backward soon after the forward need not fetch it again."""
+        """Drop one hold; at zero a fetched copy is freed, or with `keep` stays cached (evictable)
+        so a backward soon after the forward need not fetch it again."""
         if c.refs <= 0:
             return
         c.refs -= 1
@@ -220,26 +330,30 @@ class ChunkManager:
             for t in c.tensors:
                 if t.state is TensorState.COMPUTE:
                     t.state = TensorState.HOLD
-            if c.param_tier == "host":
+            if c.needs_fetch:
                 if keep:
                     self.cached[c.index] = c
+                    self.cached.move_to_end(c.index)
                 else:
                     self.evict(c)
 
     def evict(self, c: Chunk) -> None:
-        """Free a released host chunk's device copy; its parameters read the host master again."""
-        assert c.refs == 0 and c.param_tier == "host"
+        """Free a released chunk's compute copy; its parameters read the master (W = 1) or are
+        empty (W > 1) again."""
+        assert c.refs == 0 and c.needs_fetch
         self.cached.pop(c.index, None)
+        c.prefetched = False
         if c.compute is None:
             return
+        del self.compute_ptrs[c.compute.untyped_storage().data_ptr()]
         for t in c.tensors:
-            t.param.data = c.view(c.master, t)
+            t.param.data = self._released_view(c, t)
         c.compute = None
         self.budget.release(c.nbytes)
         self.evictions += 1
 
     def flush(self) -> None:
-        """Evict every cached copy: parameters point at their masters (before steps and IO)."""
+        """Evict every cached copy (before steps and IO: parameters read their masters)."""
         for c in list(self.cached.values()):
             self.evict(c)
 
@@ -249,23 +363,109 @@ class ChunkManager:
                 self.release(c)
         self.flush()
 
+    # --- saved tensors (autograd) ------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        """Saved-tensor hook: a tensor living in a compute copy is saved as a reference, so the
+        copy can be freed between forward and backward."""
+        try:
+            c = self.compute_ptrs.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. subclasses)
+            return t
+        if c is None:
+            return t
+        return (c, t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.requires_grad)
+
+    @staticmethod
+    def unpack(saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        c, offset, size, stride, _ = saved
+        if c.compute is None:
+            raise RuntimeError(
+                f"Gemini: backward needs chunk {c.index}, but it is not fetched: a module used parameters in "
+                "forward that its own hooks do not fetch (e.g. another module's weight); give each module its "
+                "own parameters")
+        return c.compute.as_strided(size, stride, offset)
+
+    # --- gradients ---------------------------------------------------------------------------
     def collect_grad(self, p: nn.Parameter) -> None:
         t = self.tensors[p]
         if p.grad is None:
             return
-        t.chunk.view(t.chunk.grad, t).add_(p.grad.detach().to(torch.float32))
+        c = t.chunk
+        g = p.grad.detach().to(torch.float32)
         p.grad = None
-        t.state = TensorState.READY
+        t.state, t.has_grad = TensorState.READY, True
+        if not c.sharded:
+            c.view(c.grad, t).add_(g)
+            return
+        if c.grad_full is None:
+            self.reserve(c.nbytes, f"gradient buffer of chunk {c.index} (reduce-scattered when complete)")
+            c.grad_full = torch.zeros(c.size, dtype=torch.float32)
+        c.view(c.grad_full, t).add_(g)
+        c.grads_seen += 1
+        if c.grads_seen >= c.grads_expected:
+            self.reduce_chunk(c)
+
+    def reduce_chunk(self, c: Chunk) -> None:
+        """Reduce-scatter a chunk's gradient buffer into the shards (mean over ranks) and free it."""
+        shard = torch.empty(c.shard_size, dtype=torch.float32)
+        self.comm.reduce_scatter(shard, c.grad_full)
+        c.grad.add_(shard.mul_(1.0 / self.comm.world))
+        c.grad_full = None
+        c.grads_seen = 0
+        self.budget.release(c.nbytes)
+        self.reduce_scatters += 1
+        for t in c.tensors:
+            if t.state is TensorState.READY:
+                t.state = TensorState.REDUCED
+
+    def finish_backward(self) -> None:
+        """End of a backward: reduce-scatter chunks some of whose parameters got no gradient (in
+        chunk order, the same on every rank), then flush cached copies."""
+        for c in self.chunks:
+            if c.grad_full is not None:
+                self.reduce_chunk(c)
+        self.flush()
 
     def zero_grad(self) -> None:
         for c in self.chunks:
             c.grad.zero_()
             for t in c.tensors:
-                if t.state is TensorState.READY:
+                t.has_grad = False
+                if t.state in GRAD_STATES:
                     t.state = TensorState.HOLD
 
     def grad_views(self) -> list[torch.Tensor]:
-        return [t.chunk.view(t.chunk.grad, t) for t in self.order if t.state is TensorState.READY]
+        """W = 1: the gradient of every tensor that has one (for the global norm)."""
+        return [t.chunk.view(t.chunk.grad, t) for t in self.order if t.has_grad]
+
+    def grad_norm(self, norm_type: float) -> torch.Tensor:
+        """W > 1: the global gradient norm over all ranks' shards (padding is zero)."""
+        shards = [c.grad[:c.local_used] for c in self.chunks if c.local_used]
+        if math.isinf(norm_type):
+            local = max((s.abs().max() for s in shards if s.numel()), default=torch.tensor(0.0))
+            return self.comm.all_reduce(torch.as_tensor(local, dtype=torch.float32).reshape(1), "max")[0]
+        total = torch.zeros(1, dtype=torch.float64)
+        for s in shards:
+            total += s.double().abs().pow(norm_type).sum()
+        return self.comm.all_reduce(total)[0].pow(1.0 / norm_type).float()
+
+    # --- full tensors --------------------------------------------------------------------------
+    def gather(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
+        """The full-size buffer of a per-chunk shard (collective when W > 1)."""
+        if not c.sharded:
+            return shard
+        full = torch.empty(c.size, dtype=torch.float32)
+        self.comm.all_gather(full, shard)
+        return full
+
+    def copy_in(self, c: Chunk, t: TensorInfo, shard: torch.Tensor, value: torch.Tensor) -> None:
+        """Write this rank's part of the full tensor `value` of `t` into a chunk shard buffer."""
+        r = c.local_range(t)
+        if r is not None:
+            dst, src, n = r
+            shard[dst:dst + n].copy_(value.detach().reshape(-1)[src:src + n])
 
     # --- reporting -----------------------------------------------------------------------------
     def report(self) -> dict:
@@ -274,6 +474,8 @@ class ChunkManager:
         return {
             "chunk_size": self.chunk_size,
             "n_chunks": len(self.chunks),
+            "world_size": self.comm.world,
+            "shard_size": self.chunk_size // self.comm.world,
             "param_elements": used,
             "padding_elements": total - used,
             "padding_bytes": (total - used) * F32,
@@ -283,6 +485,11 @@ class ChunkManager:
             "device_budget_bytes": self.budget.budget_bytes,
             "device_resident_bytes": self.budget.resident_bytes,
             "device_peak_bytes": self.budget.peak_bytes,
+            "non_model_bytes": self.non_model_bytes,
             "fetches": self.fetches,
             "evictions": self.evictions,
+            "prefetches": self.prefetches,
+            "prefetch_hits": self.prefetch_hits,
+            "reduce_scatters": self.reduce_scatters,
+            "policy": self.policy.name,
         }

@@ -7,14 +7,17 @@ On this CPU-only machine the three tiers are simulated honestly where it matters
            the budget is refused with an error naming the numbers. The peak is recorded.
   host     CPU memory outside the budget.
   disk     raw little-endian fp32 files under a directory (`DiskStore`), one per chunk, with a
-           JSON sidecar; read and written by one background thread so the optimizer can prefetch
+           JSON sidecar, in a fresh `gemini-<host>-<pid>-*` subdirectory per process (removed at
+           close/exit; one left by a killed process is removed by the next DiskStore there); read and written by one background thread so the optimizer can prefetch
            the next chunk while it steps the current one. Nothing is pickled.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import threading
 import weakref
@@ -63,6 +66,34 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_dirs(disk_dir: str | os.PathLike) -> list[Path]:
+    """Remove disk-tier directories left under `disk_dir` by killed processes of this host (a
+    SIGKILL skips the exit-time cleanup). Only `gemini-<this host>-<pid>-*` directories whose
+    process is gone are touched, so runs on other hosts sharing the directory are safe."""
+    pattern = re.compile(rf"^gemini-{re.escape(_host())}-(\d+)-")
+    removed = []
+    for d in Path(disk_dir).iterdir():
+        m = pattern.match(d.name)
+        if m and d.is_dir() and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 class DiskStore:
     """Flat fp32 buffers in raw files under `root` (a fresh subdirectory, removed by `close`).
 
@@ -76,7 +107,8 @@ class DiskStore:
             self.root = Path(tempfile.mkdtemp(prefix="tabfm-gemini-"))
         else:
             Path(disk_dir).mkdir(parents=True, exist_ok=True)
-            self.root = Path(tempfile.mkdtemp(prefix=f"gemini-{os.getpid()}-", dir=disk_dir))
+            self.stale_removed = remove_stale_dirs(disk_dir)
+            self.root = Path(tempfile.mkdtemp(prefix=f"gemini-{_host()}-{os.getpid()}-", dir=disk_dir))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-disk")
         self._finalizer = weakref.finalize(self, _remove_tree, str(self.root))  # also runs at exit
         self.bytes_written = 0

@@ -1,0 +1,155 @@
+"""Module-level hooks that drive chunk fetch/release and gradient collection, and the model
+wrapper that routes autograd's saved tensors through the chunk manager.
+
+Forward: a module's pre-hook acquires the chunks of its own parameters, its post-hook releases
+them. Backward: a tensor hook on the module's output marks the start of its backward (acquire
+again); each parameter's post-accumulate-grad hook moves its gradient into the chunk and
+releases the chunk once all the module's gradients are in; an autograd end-of-backward callback
+releases what is left and lets the manager reduce-scatter incomplete chunks. Hooks are per
+module, not per op, so any model built of modules works and `torch.compile` is not blocked.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .chunks import Chunk, ChunkManager
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in(v)]
+    return []
+
+
+class ChunkHooks:
+    """Module and parameter hooks of one model over one ChunkManager."""
+
+    def __init__(self, model: nn.Module, manager: ChunkManager) -> None:
+        self.manager = manager
+        self.handles: list[Any] = []
+        self.owner: dict[nn.Parameter, nn.Module] = {}
+        self.module_chunks: dict[nn.Module, list[Chunk]] = {}
+        self.module_params: dict[nn.Module, list[nn.Parameter]] = {}
+        self.bwd_holds: dict[nn.Module, int] = {}
+        self.pending: dict[nn.Module, set] = {}
+        self._callback_queued = False
+        for module in model.modules():
+            params = [p for p in module.parameters(recurse=False) if p in manager.tensors and p not in self.owner]
+            if not params:
+                continue
+            for p in params:
+                self.owner[p] = module
+            chunks: list[Chunk] = []
+            for p in params:
+                c = manager.tensors[p].chunk
+                if c not in chunks:
+                    chunks.append(c)
+            self.module_chunks[module] = chunks
+            self.module_params[module] = params
+            self.handles.append(module.register_forward_pre_hook(self._forward_pre))
+            self.handles.append(module.register_forward_hook(self._forward_post))
+        for p in manager.tensors:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        for c in self.module_chunks[module]:
+            self.manager.acquire(c)
+
+    def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            outs = [t for t in _tensors_in(output) if t.requires_grad]
+            if outs:
+                fired = [False]
+
+                def on_output_grad(grad: torch.Tensor, module=module, fired=fired) -> None:
+                    if not fired[0]:
+                        fired[0] = True
+                        self._backward_pre(module)
+
+                for t in outs:
+                    t.register_hook(on_output_grad)
+        keep = torch.is_grad_enabled()  # a backward will want these chunks again soon
+        for c in self.module_chunks[module]:
+            self.manager.release(c, keep=keep)
+
+    def _backward_pre(self, module: nn.Module) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._callback_queued = True
+        for c in self.module_chunks[module]:
+            self.manager.acquire(c)
+        self.bwd_holds[module] = self.bwd_holds.get(module, 0) + 1
+        self.pending[module] = {p for p in self.module_params[module] if p.requires_grad}
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        self.manager.collect_grad(p)
+        module = self.owner[p]
+        pending = self.pending.get(module)
+        if pending is not None:
+            pending.discard(p)
+            if not pending:
+                self._release_module(module)
+
+    def _release_module(self, module: nn.Module) -> None:
+        for _ in range(self.bwd_holds.pop(module, 0)):
+            for c in self.module_chunks[module]:
+                self.manager.release(c)
+        self.pending.pop(module, None)
+
+    def _backward_done(self) -> None:
+        """End of a backward pass: release what modules without gradients still hold, reduce
+        what is left, flush cached copies."""
+        self._callback_queued = False
+        for module in list(self.bwd_holds):
+            self._release_module(module)
+        self.manager.finish_backward()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+class GeminiModule(nn.Module):
+    """Runs the user's module with saved-tensor hooks: tensors that live in chunk compute copies
+    are saved as references (so released copies are really freed), and during the auto warm-up
+    the bytes of the other saved tensors (activations: the step's non-model memory) are summed."""
+
+    def __init__(self, module: nn.Module, manager: ChunkManager) -> None:
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "_manager", manager)
+        self.measure = False
+        self.peak_saved_bytes = 0
+        self._seen: set[int] = set()
+        self._saved = 0
+
+    def _pack(self, t: torch.Tensor):
+        packed = self._manager.pack(t)
+        if self.measure and packed is t:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return packed
+            ptr = storage.data_ptr()
+            if ptr not in self._seen and ptr not in self._manager.master_ptrs:
+                self._seen.add(ptr)
+                self._saved += storage.nbytes()
+        return packed
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._seen, self._saved = set(), 0
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._manager.unpack):
+            out = self.module(*args, **kwargs)
+        if self.measure:
+            self.peak_saved_bytes = max(self.peak_saved_bytes, self._saved)
+        self._seen = set()
+        return out
