@@ -218,6 +218,14 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def load_extra(ckpt: Path) -> dict[str, Any]:
+    """The trainer state and RNG record a 'general' checkpoint keeps in extra.json, checked."""
+    state = load_state(ckpt / "extra")
+    if not isinstance(state, dict) or not {"trainer", "rng"} <= state.keys():
+        raise ValueError(f"{ckpt / 'extra.json'}: expected keys 'trainer' and 'rng'")
+    return state
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
@@ -325,9 +333,7 @@ class GeneralCheckpointIO(CheckpointIO):
             optimizer.load_state_dict(load_state(path / "optimizer"))
         if lr_scheduler is not None:
             lr_scheduler.load_state_dict(load_state(path / "scheduler"))
-        state = load_state(path / "extra")
-        if not isinstance(state, dict) or not {"trainer", "rng"} <= state.keys():
-            raise ValueError(f"{path / 'extra.json'}: expected keys 'trainer' and 'rng'")
+        state = load_extra(path)
         if restore_rng:
             restore_rng_state(state["rng"])
         return state["trainer"]

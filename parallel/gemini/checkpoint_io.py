@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointIO, read_manifest, restore_rng_state, unwrap_model
+from ..checkpoint import CheckpointIO, load_extra, read_manifest, restore_rng_state, unwrap_model
 from ..sharded_checkpoint import ShardedCheckpointIO, _check_groups, _StateHolder
 from ..state_io import load_state, load_weights
 
@@ -198,9 +198,7 @@ class GeminiGeneralReader(CheckpointIO):
             optimizer.load_state_dict(load_state(path / "optimizer"))
         if lr_scheduler is not None:
             lr_scheduler.load_state_dict(load_state(path / "scheduler"))
-        state = load_state(path / "extra")
-        if not isinstance(state, dict) or not {"trainer", "rng"} <= state.keys():
-            raise ValueError(f"{path / 'extra.json'}: expected keys 'trainer' and 'rng'")
+        state = load_extra(path)
         if restore_rng:
             restore_rng_state(state["rng"])
         return state["trainer"]

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from ..checkpoint import (
     GeneralCheckpointIO,
+    load_extra,
     load_model_weights,
     read_manifest,
     restore_rng_state,
@@ -92,9 +93,7 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
             self.load_full_optimizer_state(model, optimizer, load_state(path / "optimizer"))
         if lr_scheduler is not None:
             lr_scheduler.load_state_dict(load_state(path / "scheduler"))
-        state = load_state(path / "extra")
-        if not isinstance(state, dict) or not {"trainer", "rng"} <= state.keys():
-            raise ValueError(f"{path / 'extra.json'}: expected keys 'trainer' and 'rng'")
+        state = load_extra(path)
         if restore_rng:
             ranks = state.get("rng_ranks")
             restore_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
