@@ -161,3 +161,10 @@ def test_engine_overhead_quick(tmp_path):
     assert rows["ddp"]["raw_vs_raw_ddp"] == 1.0 and rows["ddp"]["optim_vs_ddp"] == 1.0
     for name in set(rows) - {"ddp"}:  # every sharded plugin keeps less optimizer state per rank than DDP
         assert rows[name]["booster_optim_bytes"] < rows["ddp"]["booster_optim_bytes"]
+
+
+def test_inference_cache_quick(tmp_path):
+    """Cached-context and per-chunk inference agree; the run writes its table and JSON."""
+    data, stdout = _run_benchmark("inference_cache", [], tmp_path, timeout_s=300)
+    assert "speed-up" in stdout and data["rows"]
+    assert all(r["max_abs_diff"] < 1e-4 and r["cached_s"] > 0 for r in data["rows"])
