@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
@@ -88,10 +89,23 @@ class Booster:
         """Autocast for compute outside the boosted model (the model's forward already uses it)."""
         return self.plugin.autocast()
 
+    def evaluation(self, model: ModelWrapper) -> ContextManager[nn.Module]:
+        """A context giving the user's module to call on whole batches for evaluation (every rank
+        must enter it together when the plugin's forward is collective). Plugins that cut the
+        model's inputs (row-sequence parallel) suspend the cut meanwhile; for the others it is
+        simply `model.unwrap()`."""
+        hook = getattr(self.plugin, "evaluation", None)
+        if hook is not None:
+            return hook(model)
+        return contextlib.nullcontext(model.unwrap() if hasattr(model, "unwrap") else model)
+
     def execute_pipeline(self, data_iter: Iterator[Any], model: ModelWrapper, criterion: Callable,
                          optimizer: OptimizerWrapper | None = None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict[str, Any]:
-        """Forward + backward of one batch through a pipeline-parallel model (pipeline plugins only)."""
+        """Forward + backward of the next batch of `data_iter` through a pipeline-parallel model
+        (plugins with `supports_pipeline`, e.g. `HybridParallelPlugin(pp_size=2)`), as gradient
+        accumulation over the plugin's micro-batches; `optimizer.step()` stays the caller's.
+        Returns {"loss", "metrics", "outputs"} (see the plugin)."""
         return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
     # --- state -----------------------------------------------------------------------------

@@ -2,6 +2,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+
+@dataclass
+class PipelinePlan:
+    """How a model runs as a pipeline of stages (`torch.distributed.pipelining`).
+
+    n_layers        the repeated layers that stages divide (pp must divide it).
+    build_stage     (k, n) -> stage k of n: an nn.Module holding the model's own submodules
+                    under their model names (its state dict is the model's, restricted to the
+                    stage), so that checkpoints of any pp layout name tensors alike. Its
+                    forward takes the previous stage's outputs positionally (nothing for
+                    stage 0) and the batch tensors as keyword arguments (every stage gets
+                    them), and returns a tuple of tensors only: before the last stage each
+                    with the micro-batch on dim 0 and a shape that depends only on the batch
+                    tensors' shapes (they travel point-to-point into preallocated buffers).
+    batch_tensors   batch -> {name: tensor}, every tensor with the batch's items on dim 0
+                    (micro-batches are cut along it; the criterion sees `batch[start:stop]`).
+    output          the last stage's tensors -> what the criterion takes as the model output
+                    (None: the tuple itself).
+    """
+
+    n_layers: int
+    build_stage: Callable[[int, int], nn.Module]
+    batch_tensors: Callable[[Any], dict[str, Tensor]]
+    output: Callable[[tuple[Tensor, ...]], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1:
+            raise ValueError(f"PipelinePlan.n_layers must be >= 1, got {self.n_layers}")
 
 
 @dataclass
@@ -17,6 +49,7 @@ class ParallelPlan:
     row_statistics  names of modules that reduce statistics over context rows (all-reduced
                     across the row-sequence-parallel group).
     num_heads       attention heads per attention module (tensor-parallel divisibility check).
+    pipeline        how to cut the model into pipeline stages (None: it cannot be pipelined).
     """
 
     blocks: list[str] = field(default_factory=list)
@@ -24,6 +57,7 @@ class ParallelPlan:
     row_attention: list[str] = field(default_factory=list)
     row_statistics: list[str] = field(default_factory=list)
     num_heads: int = 1
+    pipeline: PipelinePlan | None = None
 
     def __post_init__(self) -> None:
         for name, style in self.tp_plan.items():

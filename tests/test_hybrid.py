@@ -1,4 +1,5 @@
-"""HybridParallelPlugin (tensor × row-sequence × data parallel) against the single-process model.
+"""HybridParallelPlugin (tensor × row-sequence × data parallel) against the single-process model
+(pipeline stages: tests/test_pipeline.py).
 
 One spawn per world size runs every scenario: 2 ranks (tp=2; sp=2 with and without thinking
 rows; train-mode forwards that draw random column identities; bad layouts), 4 ranks
@@ -10,6 +11,7 @@ dp ranks' losses (DDP semantics); under sp it is the unsharded loss itself.
 """
 from __future__ import annotations
 
+import json
 import traceback
 from pathlib import Path
 
@@ -174,8 +176,9 @@ def _errors(rank, world):
             out[name] = str(e)
 
     catch("world", lambda: HybridParallelPlugin(tp_size=2, sp_size=2))
-    catch("pp", lambda: HybridParallelPlugin(pp_size=2))
+    catch("pp", lambda: HybridParallelPlugin(pp_size=2, sp_size=2))
     catch("zero1", lambda: HybridParallelPlugin(sp_size=2, zero_stage=1))
+    catch("zero1_tp", lambda: HybridParallelPlugin(tp_size=2, zero_stage=1))
     catch("zero_nothing", lambda: HybridParallelPlugin(tp_size=2, zero_stage=2))
     catch("heads", lambda: Booster(HybridParallelPlugin(tp_size=2)).boost(make_model(d_model=12, n_heads=3)))
     catch("mlp", lambda: Booster(HybridParallelPlugin(tp_size=2)).boost(make_model(mlp_ratio=1.5625)))
@@ -315,11 +318,14 @@ def check(ranks: list[dict], ref: dict, dp: int, mode: str = "eval") -> dict:
 # --- tests -----------------------------------------------------------------------------------
 
 def test_layout_checks_without_processes():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp × sp = 2 × 2 = 4"):
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp × sp × pp = 2 × 2 × 1 = 4"):
         _check_layout(6, 2, 2, 1, 0)
-    with pytest.raises(ValueError, match="pipeline stages are a separate plugin"):
-        _check_layout(4, 1, 1, 2, 0)
-    assert _check_layout(8, 2, 2, 1, 2) == (2, 2, 2)
+    with pytest.raises(ValueError, match="pp_size=2 combines with data parallelism only"):
+        _check_layout(8, 1, 2, 2, 0)
+    with pytest.raises(ValueError, match="zero_stage must be 0 .* got 1: .* use zero_stage=2"):
+        _check_layout(4, 2, 1, 1, 1)
+    assert _check_layout(8, 2, 2, 1, 2) == (2, 2, 1, 2)
+    assert _check_layout(4, 1, 1, 2, 0) == (1, 1, 2, 0)
     model = make_model()
     plan = model.parallel_plan()
     assert check_tp_layout(model, plan, 2)["blocks.1.mlp.fc2"] == "rowwise"
@@ -389,9 +395,10 @@ def test_bf16_tracks_single_process_bf16(results_2, name):
 @pytest.mark.slow
 def test_bad_layouts_give_clear_errors(results_2):
     for errors in _get(results_2, "errors"):
-        assert "world size 2 is not divisible by tp × sp = 2 × 2 = 4" in errors["world"]
-        assert "pipeline" in errors["pp"]
+        assert "world size 2 is not divisible by tp × sp × pp = 2 × 2 × 1 = 4" in errors["world"]
+        assert "pp_size=2 combines with data parallelism only" in errors["pp"]
         assert "zero_stage must be 0" in errors["zero1"]
+        assert "zero_stage must be 0" in errors["zero1_tp"] and "use zero_stage=2" in errors["zero1_tp"]
         assert "dp × sp = 1 × 1 = 1 rank" in errors["zero_nothing"]
         assert "num_heads=3 is not divisible by tp=2" in errors["heads"]
         assert "blocks.0.mlp.fc1 (colwise) has 25 output features, not divisible by tp=2" in errors["mlp"]
@@ -436,3 +443,87 @@ def test_tp2_sp2_checkpoint_loads_in_one_process(results_4):
     weights, config = load_exported(ranks[0]["export"])
     _close(weights, ranks[0]["params"], 0.0, "exported weight")
     assert ModelConfig.from_dict(config["model"]) == ModelConfig(**CFG)
+
+
+# --- the training command's loop under tp / sp ---------------------------------------------------
+
+PRETRAIN = dict(steps=6, ckpt_every=3, eval_every=3, eval_batches=2, threads=1)
+
+
+class _Crash(Exception):
+    pass
+
+
+def _pretrain_crash_and_resume(root: str, tp: int, sp: int) -> dict:
+    """`pretrain` under HybridParallelPlugin, killed right after its step-3 checkpoint, then run
+    again on the same directory (it resumes there and finishes)."""
+    from parallel import HybridParallelPlugin
+    from tabfm.train import PretrainConfig
+    from tabfm.train.pretrain import pretrain
+    from tabfm.train.trainer import Trainer
+
+    cfg = PretrainConfig.preset("smoke", plugin="hybrid", tp=tp, sp=sp, **PRETRAIN)
+    save = Trainer.save
+
+    def crash_after_first_checkpoint(self):
+        path = save(self)
+        if self.step == 3:
+            raise _Crash
+        return path
+
+    Trainer.save = crash_after_first_checkpoint
+    try:
+        pretrain(cfg, root, plugin=HybridParallelPlugin(tp_size=tp, sp_size=sp), progress=False)
+        raise AssertionError("the run did not crash")
+    except _Crash:
+        pass
+    finally:
+        Trainer.save = save
+    result = pretrain(cfg, root, plugin=HybridParallelPlugin(tp_size=tp, sp_size=sp), progress=False)
+    return {"step": result.step, "cells": result.cells, "evals": result.evals, "loss": result.last["loss"]}
+
+
+def pretrain_worker(rank, world, root):
+    return _run_all({
+        "sp2": lambda: _pretrain_crash_and_resume(str(Path(root) / "sp2"), 1, 2),
+        "tp2": lambda: _pretrain_crash_and_resume(str(Path(root) / "tp2"), 2, 1),
+    })
+
+
+@pytest.mark.slow
+def test_hybrid_pretraining_resumes_and_tracks_single_process(tmp_path):
+    """tp=2 and sp=2 runs of the pretraining loop (crashed after a checkpoint and resumed) end
+    where one uninterrupted single-process run does: same weights (to summation order), same
+    global cell count (the ranks of a table count it once), same held-out evaluation."""
+    from safetensors.torch import load_file
+
+    from tabfm.train import PretrainConfig
+    from tabfm.train.pretrain import pretrain
+
+    ranks = run_distributed(pretrain_worker, world_size=2, args=(str(tmp_path),), timeout_s=200)
+    single = pretrain(PretrainConfig.preset("smoke", **PRETRAIN), tmp_path / "single", progress=False)
+    want = load_file(str(tmp_path / "single" / "export" / "model.safetensors"))
+    for name in ("sp2", "tp2"):
+        for r in _get(ranks, name):
+            assert r["step"] == 6 and r["cells"] == single.cells
+            assert r["loss"] == pytest.approx(single.last["loss"], abs=1e-4)
+            for key, value in single.evals.items():
+                assert r["evals"][key] == pytest.approx(value, abs=1e-4), key
+        got = load_file(str(tmp_path / name / "export" / "model.safetensors"))
+        _close(got, want, 1e-4, f"{name} weight")
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["checkpoint"] for r in records if r["kind"] == "resume"] == ["step_000003"]
+
+
+def test_pretrain_command_hybrid_flags_name_the_fix(tmp_path, monkeypatch, capsys):
+    from tabfm.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = ["pretrain", "--preset", "smoke", "--out", str(tmp_path / "run"), "--quiet"]
+    assert main([*args, "--tp", "2"]) == 2
+    assert "--tp splits each table over ranks; it needs --plugin hybrid" in capsys.readouterr().err
+    assert main([*args, "--plugin", "hybrid", "--pp", "2"]) == 2
+    assert "--pp 2: pipeline stages run through booster.execute_pipeline" in capsys.readouterr().err
+    assert main([*args, "--plugin", "hybrid", "--sp", "2"]) == 2
+    assert "torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin hybrid" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

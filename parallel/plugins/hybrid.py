@@ -1,7 +1,8 @@
-"""HybridParallelPlugin: data × row-sequence × tensor parallelism on one DeviceMesh.
+"""HybridParallelPlugin: data × pipeline × row-sequence × tensor parallelism on one DeviceMesh.
 
     plugin = HybridParallelPlugin(tp_size=2, sp_size=2, zero_stage=0, precision="bf16")
-    # world size = dp × sp × tp (pp = 1; pipeline stages are a separate plugin)
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4)     # dp × pp
+    # world size = dp × pp × sp × tp
 
 Composition, in the torchtitan order, of what the model's `ParallelPlan` declares:
 
@@ -10,6 +11,11 @@ Composition, in the torchtitan order, of what the model's `ParallelPlan` declare
     row-sequence      each sp rank gets a contiguous slice of every table's rows; row attention
                       all-gathers K/V over mesh["sp"], row statistics are all-reduced
                       (`parallel.sequence_parallel`); the loss is the sp group's global mean.
+    pipeline          (pp_size > 1) the model's layers are cut into pp stages, one per rank of
+                      mesh["pp"], from the plan's `pipeline` (`parallel.pipeline`); training steps
+                      run through `booster.execute_pipeline` (torch `Schedule1F1B` over
+                      `num_microbatches` micro-batches). Combines with dp (zero_stage 0) for
+                      now; with tp, sp or ZeRO it is refused.
     data parallel     the remaining dp ranks see different batches. Gradients of every
                       parameter are summed over sp and averaged over dp: zero_stage=0 by a
                       bucketed all-reduce over the flattened dp×sp group after backward;
@@ -37,6 +43,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..mesh import build_mesh, mesh_rank, sub_mesh
+from ..pipeline import (
+    PipelineCheckpointIO,
+    PipelineOnlyModule,
+    PipelineRunner,
+    check_pp_layout,
+    local_stages,
+    merge_modules,
+    pipeline_grad_norm,
+    split_stages,
+)
 from ..plan import ParallelPlan
 from ..plugin import Plugin
 from ..precision import MixedPrecision, local_shard
@@ -81,13 +97,20 @@ def _by_mesh(items: list[Any], grad_of: Callable[[Any], torch.Tensor]) -> dict[i
 
 
 class HybridParallelPlugin(Plugin):
-    """dp × sp × tp on the default process group (dp = world / (tp × sp)).
+    """dp × pp × sp × tp on the default process group (dp = world / (pp × tp × sp)).
 
     tp_size      tensor-parallel ranks: attention heads and MLP width are split.
     sp_size      row-sequence-parallel ranks: every table's rows are split.
-    pp_size      must be 1 (pipeline stages are a separate plugin).
+    pp_size      pipeline stages: the model's layers are split into pp_size stages (with dp only,
+                 zero_stage 0, precision fp32 or bf16); train with `booster.execute_pipeline`.
+    num_microbatches  micro-batches per batch under pp (default pp_size; at least pp_size; a
+                 batch's size must be a multiple). Equivalent to gradient accumulation over them.
+    stages_per_rank  pipeline stages each pp rank holds: 1 runs `Schedule1F1B`; v > 1 cuts the
+                 layers into pp × v stages and runs `ScheduleInterleaved1F1B` (rank r holds stages
+                 r, r + pp, ...; num_microbatches must be a multiple of pp).
     zero_stage   0: replicated parameters, gradients all-reduced over dp × sp;
                  2 / 3: FSDP2 over dp × sp (3 reshards parameters after forward).
+                 1 (optimizer state sharded alone) is not offered: use 2, which shards gradients too.
     precision    "fp32" | "bf16" | "fp16" | MixedPrecision.
     loss_count   how the boosted criterion weighs ranks' losses under sp > 1: a metrics key
                  giving the items the loss averaged (default "cells"), a function
@@ -102,13 +125,20 @@ class HybridParallelPlugin(Plugin):
 
     def __init__(self, tp_size: int = 1, sp_size: int = 1, zero_stage: int = 0,
                  precision: "str | MixedPrecision | None" = None, *, pp_size: int = 1,
+                 num_microbatches: int | None = None, stages_per_rank: int = 1,
                  loss_count: "str | Callable[..., float] | None" = "cells", bucket_cap_mb: float = 25.0,
                  device: "str | torch.device | None" = None) -> None:
         _require_process_group()
         super().__init__(precision)
         world = dist.get_world_size()
-        self.tp_size, self.sp_size, self.zero_stage = _check_layout(world, tp_size, sp_size, pp_size, zero_stage)
-        self.dp_size = world // (self.tp_size * self.sp_size)
+        self.tp_size, self.sp_size, self.pp_size, self.zero_stage = _check_layout(
+            world, tp_size, sp_size, pp_size, zero_stage)
+        self.num_microbatches = _check_microbatches(self.pp_size, num_microbatches)
+        if not isinstance(stages_per_rank, int) or stages_per_rank < 1 or (stages_per_rank > 1 and self.pp_size == 1):
+            raise ValueError(f"stages_per_rank must be an int >= 1 (> 1 only with pp_size > 1), got {stages_per_rank!r} "
+                             f"with pp_size={self.pp_size}")
+        self.stages_per_rank = stages_per_rank
+        self.dp_size = world // (self.tp_size * self.sp_size * self.pp_size)
         if self.zero_stage and self.dp_size * self.sp_size == 1:
             raise ValueError(f"zero_stage={zero_stage} shards over dp × sp = {self.dp_size} × {self.sp_size} "
                              "= 1 rank: nothing to shard; use zero_stage=0")
@@ -118,8 +148,9 @@ class HybridParallelPlugin(Plugin):
             from ..launch import current
             device = current().device
         self._device = torch.device(device)
-        self.mesh = build_mesh(world, dp_shard=self.dp_size, tp=self.tp_size, sp=self.sp_size,
+        self.mesh = build_mesh(world, dp_shard=self.dp_size, tp=self.tp_size, sp=self.sp_size, pp=self.pp_size,
                                device_type=self._device.type)
+        self.pp_mesh = sub_mesh(self.mesh, "pp")
         self.tp_mesh = sub_mesh(self.mesh, "tp")
         self.sp_mesh = sub_mesh(self.mesh, "sp")
         self.grad_mesh = sub_mesh(self.mesh, "dp_shard", "sp")  # ranks holding the same parameters
@@ -130,7 +161,13 @@ class HybridParallelPlugin(Plugin):
         self._fsdp_module: nn.Module | None = None
         self._syncing = True
         self.tp_styles: dict[str, str] = {}
+        self._runner: PipelineRunner | None = None
+        self._row_seams: tuple[nn.Module, ParallelPlan, list[Any]] | None = None
         self._checkpoint_io = ShardedCheckpointIO(None, fallback=FullStateFSDPCheckpointIO(self))
+
+    @property
+    def supports_pipeline(self) -> bool:  # type: ignore[override]
+        return self.pp_size > 1
 
     # --- topology --------------------------------------------------------------------------
     @property
@@ -154,12 +191,16 @@ class HybridParallelPlugin(Plugin):
         return mesh_rank(self.mesh, "tp")
 
     @property
+    def pp_rank(self) -> int:
+        return mesh_rank(self.mesh, "pp")
+
+    @property
     def is_main_process(self) -> bool:
         return dist.get_rank() == 0
 
     def layout(self) -> dict[str, int]:
         return {"world_size": dist.get_world_size(), "dp": self.dp_size, "tp": self.tp_size, "sp": self.sp_size,
-                "pp": 1}
+                "pp": self.pp_size}
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's rows of `batch` (the slice the boosted model computes on and its outputs
@@ -179,6 +220,8 @@ class HybridParallelPlugin(Plugin):
         dataloader: DataLoader | None = None,
         lr_scheduler: Any | None = None,
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
+        if self.pp_size > 1:
+            return self._configure_pipeline(model, optimizer, criterion, dataloader, lr_scheduler)
         plan = _plan_of(model, needed=self.tp_size > 1 or self.sp_size > 1)
         if self.tp_size > 1:  # every check before the first collective
             check_tp_layout(model, plan, self.tp_size)
@@ -190,7 +233,7 @@ class HybridParallelPlugin(Plugin):
         if self.tp_size > 1:
             self.tp_styles = parallelize_tensor(model, self.tp_mesh, plan)
         if self.sp_size > 1:
-            parallelize_rows(model, plan, self._group(self.sp_mesh))
+            self._row_seams = (model, plan, parallelize_rows(model, plan, self._group(self.sp_mesh)))
         if self.zero_stage:
             self._fully_shard(model, plan)
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -204,6 +247,92 @@ class HybridParallelPlugin(Plugin):
         if criterion is not None and self.sp_size > 1:
             criterion = RowShardedCriterion(criterion, sharded, count=self.loss_count)
         return self.wrap_model(model, sharded), wrapped_optimizer, criterion, dataloader, lr_scheduler
+
+    @contextlib.contextmanager
+    def evaluation(self, model: ModelWrapper) -> Iterator[nn.Module]:
+        """The unwrapped model, computing whole batches on every rank (for evaluators that call
+        it on their own batches). Under sp its row seams (K/V all-gathers, statistics
+        all-reduces) are suspended meanwhile, so a full table is not counted sp times;
+        tensor-parallel and FSDP layers stay, so every rank must evaluate together."""
+        if self._runner is not None:
+            raise NotImplementedError("evaluating a pipeline-parallel model (pp > 1) is not implemented: each rank "
+                                      "holds one stage")
+        module = model.unwrap()
+        if self._row_seams is None:
+            yield module
+            return
+        root, plan, handles = self._row_seams
+        for name in plan.row_attention:
+            del root.get_submodule(name).gather_kv  # the instance's RowKVGather; the class's identity shows
+        for handle in handles:
+            handle.remove()
+        try:
+            yield module
+        finally:
+            self._row_seams = (root, plan, parallelize_rows(root, plan, self._group(self.sp_mesh)))
+
+    def _configure_pipeline(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, criterion: Any,
+                            dataloader: Any, lr_scheduler: Any) -> tuple:
+        """pp > 1: cut the model into stages (the plan's `pipeline`), keep this rank's, and drive
+        it with a `PipelineRunner`. Every check runs before the first collective. The whole
+        model is broadcast from rank 0 (every rank builds it), then each rank trains only its
+        stage: the optimizer is rebuilt over the stage's parameters, gradients are reduced
+        over dp, checkpoints hold each stage's tensors under the model's names."""
+        plan = _plan_of(model, needed=True)
+        if plan.pipeline is None:
+            raise ValueError(f"pp_size={self.pp_size}: {type(model).__name__}.parallel_plan() declares no pipeline "
+                             "(ParallelPlan.pipeline: a parallel.plan.PipelinePlan)")
+        if self.precision.dtype == "fp16":
+            raise ValueError("pp_size > 1 supports precision fp32 and bf16; fp16 loss scaling inside the pipeline "
+                             "schedule is not implemented")
+        check_pp_layout(plan.pipeline.n_layers, self.pp_size, self.num_microbatches, self.stages_per_rank)
+        stages = split_stages(model, plan.pipeline, self.pp_size * self.stages_per_rank)
+        group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
+        full_state = model.state_dict()
+        key_meta = {k: (v.shape, v.dtype) for k, v in full_state.items()}
+        rank_sets = [set().union(*(s.state_dict() for s in local_stages(stages, r, self.pp_size)))
+                     for r in range(self.pp_size)]
+        stage_keys = [[k for k in full_state if k in keys] for keys in rank_sets]
+        model.to(self.device)
+        with torch.no_grad():  # like DDP: rank 0's parameters and buffers are the model
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        mine = local_stages(stages, self.pp_rank, self.pp_size)
+        stage = merge_modules(mine)  # this rank's part of the model, under the model's names
+        pp_group = self._group(self.pp_mesh)
+        self._runner = PipelineRunner(mine, plan.pipeline, self.pp_rank, self.pp_size, pp_group, self.device,
+                                      self.num_microbatches, self.precision)
+        self._params = [p for p in stage.parameters() if p.requires_grad]
+        wrapped_optimizer = None
+        if optimizer is not None:
+            own = {n for n, _ in stage.named_parameters()}
+            group_names = [[n for n in names if n in own] for names in group_names]
+            self._param_names = [n for names in group_names for n in names]
+            wrapped_optimizer = self.wrap_optimizer(rebuild_optimizer(stage, optimizer, group_names, lr_scheduler))
+        self._checkpoint_io = PipelineCheckpointIO(stage_keys, key_meta, self.pp_rank, pp_group, self.device,
+                                                   fallback=FullStateFSDPCheckpointIO(self))
+        return (self.wrap_model(stage, PipelineOnlyModule(stage)), wrapped_optimizer, criterion, dataloader,
+                lr_scheduler)
+
+    def execute_pipeline(self, data_iter: Iterator[Any], model: ModelWrapper, criterion: Callable,
+                         optimizer: OptimizerWrapper | None = None, return_loss: bool = True,
+                         return_outputs: bool = False) -> dict[str, Any]:
+        """Forward + backward of the next batch of `data_iter` through the pipeline, as gradient
+        accumulation over `num_microbatches` equal micro-batches; then, outside `no_sync`, the
+        gradient all-reduce over dp. `optimizer.step()` stays the caller's. Returns "loss" (the
+        mean micro-batch loss, on every rank) when `return_loss`, "metrics" (the criterion's,
+        averaged over micro-batches), and "outputs" (last stage only) when `return_outputs`."""
+        if self._runner is None:
+            raise RuntimeError(f"execute_pipeline needs pp_size > 1 and a boosted model (pp_size={self.pp_size}); "
+                               "with pp_size=1 call the model and booster.backward() directly")
+        if not isinstance(model, ModelWrapper) or not isinstance(model.module, PipelineOnlyModule):
+            raise ValueError("execute_pipeline: pass the model booster.boost() returned")
+        result = self._runner.run(next(data_iter), criterion, return_outputs=return_outputs)
+        if self._syncing:
+            self._all_reduce_grads()
+        if not return_loss:
+            result["loss"] = None
+        return result
 
     def _fully_shard(self, model: nn.Module, plan: ParallelPlan) -> None:
         """FSDP2 over dp × sp: each planned block, then the root. FSDP averages gradients over
@@ -286,7 +415,11 @@ class HybridParallelPlugin(Plugin):
             self._syncing = True
 
     def grad_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        return hybrid_grad_norm(grads, norm_type)
+        """The global norm: over meshes (`hybrid_grad_norm`), then over pipeline stages."""
+        norm = hybrid_grad_norm(grads, norm_type)
+        if self.pp_size > 1:
+            norm = pipeline_grad_norm(norm.to(self.device), norm_type, self._group(self.pp_mesh))
+        return norm
 
     def clip_grad_norm_(self, optimizer: OptimizerWrapper, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip to the global norm, scaling each mesh's gradients in its own foreach call."""
@@ -305,24 +438,44 @@ class HybridParallelPlugin(Plugin):
         return flag
 
     def __repr__(self) -> str:
-        return (f"HybridParallelPlugin(dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
+        return (f"HybridParallelPlugin(dp={self.dp_size}, pp={self.pp_size}, sp={self.sp_size}, tp={self.tp_size}, "
                 f"zero_stage={self.zero_stage}, device={self.device}, precision={self.precision.dtype!r})")
 
 
-def _check_layout(world: int, tp: int, sp: int, pp: int, zero_stage: int) -> tuple[int, int, int]:
-    """Validate sizes against the world size (no communication); errors give the numbers."""
+def _check_layout(world: int, tp: int, sp: int, pp: int, zero_stage: int) -> tuple[int, int, int, int]:
+    """Validate sizes against the world size (no communication); errors give the numbers.
+    Returns (tp, sp, pp, zero_stage)."""
     for name, size in (("tp_size", tp), ("sp_size", sp), ("pp_size", pp)):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be an int >= 1, got {size!r}")
-    if pp != 1:
-        raise ValueError(f"pp_size={pp}: HybridParallelPlugin runs tp × sp × dp; pipeline stages are a separate "
-                         "plugin (pp_size must be 1)")
+    if zero_stage == 1:
+        raise ValueError("zero_stage must be 0 (replicated), 2 or 3 (FSDP2 over dp × sp), got 1: sharding the "
+                         "optimizer state alone is LowLevelZeroPlugin(stage=1), which runs no tensor or "
+                         "row-sequence parallelism; here use zero_stage=2 (gradients and optimizer state sharded)")
     if zero_stage not in (0, 2, 3):
         raise ValueError(f"zero_stage must be 0 (replicated), 2 or 3 (FSDP2 over dp × sp), got {zero_stage!r}")
-    if world % (tp * sp):
-        raise ValueError(f"world size {world} is not divisible by tp × sp = {tp} × {sp} = {tp * sp} "
-                         f"(dp = world / (tp × sp) must be a whole number)")
-    return tp, sp, zero_stage
+    if pp > 1 and (tp > 1 or sp > 1 or zero_stage):
+        raise ValueError(f"pp_size={pp} combines with data parallelism only for now (zero_stage=0): got "
+                         f"tp_size={tp}, sp_size={sp}, zero_stage={zero_stage}")
+    if world % (tp * sp * pp):
+        raise ValueError(f"world size {world} is not divisible by tp × sp × pp = {tp} × {sp} × {pp} = {tp * sp * pp} "
+                         f"(dp = world / (tp × sp × pp) must be a whole number)")
+    return tp, sp, pp, zero_stage
+
+
+def _check_microbatches(pp: int, num_microbatches: int | None) -> int:
+    """Micro-batches per batch under pp (default pp); 1 without pipeline stages."""
+    if num_microbatches is None:
+        return pp
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    if pp == 1 and num_microbatches != 1:
+        raise ValueError(f"num_microbatches={num_microbatches} applies to pipeline stages (pp_size > 1); with "
+                         "pp_size=1 accumulate gradients with booster.no_sync instead")
+    if num_microbatches < pp:
+        raise ValueError(f"the 1F1B schedule needs at least one micro-batch per stage: num_microbatches="
+                         f"{num_microbatches} < pp_size={pp}")
+    return num_microbatches
 
 
 def _plan_of(model: nn.Module, needed: bool) -> ParallelPlan:

@@ -3,9 +3,12 @@
 One process:           tabfm pretrain --preset tiny --out runs/tiny
 From a table store:    tabfm pretrain --preset tiny --data corpus/ --out runs/tiny-corpus
 N processes (torchrun): torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin ddp --out runs/tiny
+Long tables (tp x sp): torchrun --nproc_per_node 4 -m tabfm.cli pretrain --plugin hybrid --tp 2 --sp 2 --out runs/t
 
 Each data-parallel rank trains on its own batches of the stream's cells_per_batch cells, so the
 global batch is N times the single-process one; logged cells/s are global, losses rank averages.
+With --plugin hybrid the tp x sp ranks of a group split each table (heads and MLP width over tp,
+rows over sp) and see the same batches: only world / (tp x sp) ranks are data parallel.
 With --data STORE (a directory written by `tabfm synth --out` or data.store.write_table) batches
 are episodes posed on the store's tables, bucketed by size, each rank its own tables, epoch after
 epoch; the held-out synthetic evaluation still measures the prior.
@@ -17,7 +20,7 @@ import gc
 import traceback
 from typing import TYPE_CHECKING
 
-from tabfm.train.config import PLUGINS, PRECISIONS, PretrainConfig
+from tabfm.train.config import PRECISIONS, PRETRAIN_PLUGINS, PretrainConfig
 from tabfm.train.optim import OPTIMIZERS
 
 if TYPE_CHECKING:
@@ -42,10 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("pretrain", help="pretrain on the synthetic stream or a table store", description=__doc__)
     p.add_argument("--preset", default="tiny", choices=sorted(PretrainConfig.PRESETS), help="training recipe (model size)")
     p.add_argument("--out", default=None, help="run directory (default runs/pretrain-PRESET); an existing run resumes")
-    p.add_argument("--plugin", default="single", choices=PLUGINS,
-                   help="engine plugin: single (one process) or ddp | zero | fsdp under torchrun")
+    p.add_argument("--plugin", default="single", choices=PRETRAIN_PLUGINS,
+                   help="engine plugin: single (one process) or ddp | zero | fsdp | hybrid under torchrun")
     p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
                    help="ZeRO stage for --plugin zero (default 1)")
+    p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table")
+    p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
+    p.add_argument("--pp", type=int, default=None, help="--plugin hybrid: pipeline stages (not available from the "
+                   "command line yet; see README)")
     p.add_argument("--no-sklearn-eval", action="store_true", help="skip the scikit-learn dataset evaluation")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, typ in _FIELDS.items():
@@ -64,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
         if args.plugin != "zero":
             raise ValueError(f"--zero-stage applies to --plugin zero, not --plugin {args.plugin}")
         overrides["zero_stage"] = args.zero_stage
+    for name in ("tp", "sp"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.pp is not None and args.pp != 1:
+        raise ValueError(f"--pp {args.pp}: pipeline stages run through booster.execute_pipeline, which pretraining "
+                         "does not drive yet (its batches vary in table count, and evaluation would have to run "
+                         "through the stages); use HybridParallelPlugin(pp_size=...) from Python, or --tp / --sp")
     if args.no_sklearn_eval:
         overrides["eval_sklearn"] = False
     cfg = PretrainConfig.preset(args.preset, **overrides)

@@ -8,7 +8,8 @@ from typing import Any
 from tabfm.train.optim import OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-PLUGINS = ("single", "ddp", "zero", "fsdp")  # engine plugins a pretraining run can use
+PLUGINS = ("single", "ddp", "zero", "fsdp")  # engine plugins a training run (pretrain, finetune) can use
+PRETRAIN_PLUGINS = (*PLUGINS, "hybrid")  # pretraining also splits tables (tensor / row-sequence parallel)
 
 
 @dataclass
@@ -32,8 +33,12 @@ class PretrainConfig:
     ckpt_every     steps between checkpoints; keep_last of them are kept
     init           warm start: model weights from an export directory or shipped name (same model
                    config); optimizer, schedule and stream start fresh. Ignored when the run resumes.
-    plugin         engine plugin: single | ddp | zero | fsdp (the distributed ones run under torchrun)
+    plugin         engine plugin: single | ddp | zero | fsdp | hybrid (the distributed ones run under torchrun)
     zero_stage     ZeRO stage of plugin "zero": 1 (sharded optimizer state) or 2 (+ sharded gradients)
+    tp, sp         plugin "hybrid": tensor-parallel ranks (attention heads and MLP width split) and
+                   row-sequence-parallel ranks (each table's rows split); the remaining
+                   world / (tp x sp) ranks are data parallel. Ranks of one tp x sp group train on
+                   the same batches, so they add compute and memory per table, not batch size.
 
     Batches are per data-parallel rank: every rank draws its own batch of about the stream's
     `cells_per_batch` cells per micro-batch (tables no other rank sees), so one optimizer step
@@ -70,6 +75,8 @@ class PretrainConfig:
     init: str | None = None
     plugin: str = "single"
     zero_stage: int = 1
+    tp: int = 1
+    sp: int = 1
 
     PRESETS = {
         # stage 1 of the shipped tabfm-tiny: 31 min on 2 vCPU with --threads 1; stage 2 warm-starts
@@ -105,8 +112,12 @@ class PretrainConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
         need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
-        need(self.plugin in PLUGINS, "plugin", f"must be one of {', '.join(PLUGINS)}")
+        need(self.plugin in PRETRAIN_PLUGINS, "plugin", f"must be one of {', '.join(PRETRAIN_PLUGINS)}")
         need(self.zero_stage in (1, 2), "zero_stage", "must be 1 or 2 (ZeRO-3 is --plugin fsdp)")
+        for name in ("tp", "sp"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+            need(getattr(self, name) == 1 or self.plugin == "hybrid", name,
+                 f"--{name} splits each table over ranks; it needs --plugin hybrid (not {self.plugin})")
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")

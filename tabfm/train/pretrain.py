@@ -1,7 +1,8 @@
 """Pretraining on the synthetic stream or a table store: wires the model, the data and the engine into a Trainer.
 
-One process (`--plugin single`) or many under torchrun (`--plugin ddp | zero | fsdp`): every
-rank builds the same model, draws its own share of the stream, and runs the same loop; the
+One process (`--plugin single`) or many under torchrun (`--plugin ddp | zero | fsdp | hybrid`): every
+rank builds the same model, draws its data-parallel rank's share of the stream, and runs the same
+loop (the criterion goes through `booster.boost`, so row-sharded losses are reduced); the
 main process (rank 0) writes train_config.json, logs and metrics. Checkpoints and the export
 are written collectively by the plugin's checkpoint IO.
 
@@ -71,6 +72,10 @@ def build_plugin(cfg: PretrainConfig) -> Plugin:
         from parallel.plugins.zero import LowLevelZeroPlugin
 
         return LowLevelZeroPlugin(stage=cfg.zero_stage, device=cfg.device)
+    if cfg.plugin == "hybrid":
+        from parallel.plugins.hybrid import HybridParallelPlugin
+
+        return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, device=cfg.device)
     from parallel.plugins.fsdp import TorchFSDPPlugin
 
     return TorchFSDPPlugin(device=cfg.device)
@@ -191,7 +196,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     booster = Booster(plug, precision=cfg.precision)
-    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    model, optimizer, criterion, _, scheduler = booster.boost(model, optimizer, masked_cell_loss,
+                                                              lr_scheduler=scheduler)
     if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
         torch.manual_seed(seed_for_rank(cfg.seed, plug.dp_rank))
 
@@ -211,7 +217,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         evaluators["sklearn"] = sklearn_eval()
 
     trainer = Trainer(
-        booster, model, optimizer, scheduler, masked_cell_loss, data, out,
+        booster, model, optimizer, scheduler, criterion, data, out,
         steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators=evaluators, eval_every=cfg.eval_every,
@@ -223,6 +229,9 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     if main and progress and plug.dp_world_size > 1:
         print(f"pretrain {out}: plugin {plug.name}, {_world_size()} processes, {plug.dp_world_size} data-parallel "
               f"ranks x ~{cells:,} cells per micro-batch each", flush=True)
+    if main and progress and plug.layout().get("tp", 1) * plug.layout().get("sp", 1) > 1:
+        layout = plug.layout()
+        print(f"pretrain {out}: each table split over tp={layout['tp']} x sp={layout['sp']} ranks", flush=True)
     if trainer.resume():
         announce_resume(out, trainer, plug, cfg.seed)
     return trainer.fit()

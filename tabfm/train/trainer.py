@@ -193,22 +193,23 @@ class Trainer:
 
     # -------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
-        """Run the evaluators on the unwrapped model on every rank; the main process logs.
+        """Run the evaluators on the user's model (`booster.evaluation`: whole tables on every
+        rank) on every rank; the main process logs.
 
-        Every rank runs them because with sharded parameters (FSDP, ZeRO-2) a forward is a
-        collective; the evaluation data and the eval-mode model are deterministic, so every
-        rank computes the same numbers."""
-        module = self.model.unwrap() if hasattr(self.model, "unwrap") else self.model
-        was_training = module.training
-        module.eval()
+        Every rank runs them because with sharded parameters (FSDP, ZeRO-2, tensor parallel)
+        a forward is a collective; the evaluation data and the eval-mode model are
+        deterministic, so every rank computes the same numbers."""
         results: dict[str, float] = {}
-        try:
-            # the evaluators draw no randomness from the training stream's generators
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                for name, fn in self.evaluators.items():
-                    results.update({f"{name}/{k}": v for k, v in fn(module).items()})
-        finally:
-            module.train(was_training)
+        with self.booster.evaluation(self.model) as module:
+            was_training = module.training
+            module.eval()
+            try:
+                # the evaluators draw no randomness from the training stream's generators
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    for name, fn in self.evaluators.items():
+                        results.update({f"{name}/{k}": v for k, v in fn(module).items()})
+            finally:
+                module.train(was_training)
         if results:
             self.record("eval", results)
         return results
