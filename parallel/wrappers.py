@@ -16,6 +16,7 @@ from .precision import DynamicLossScaler, MixedPrecision
 
 GradNormFn = Callable[[list[torch.Tensor], float], torch.Tensor]
 FoundInfFn = Callable[[torch.Tensor], torch.Tensor]
+StepFn = Callable[..., Any]  # (inner optimizer, *step args) -> what optimizer.step returns
 
 
 def plain_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -83,6 +84,10 @@ class OptimizerWrapper:
     found_inf_fn      from sharded plugins; agrees this rank's found-inf flag across ranks
                       (an all-reduce MAX), since each rank only sees its own gradient shards.
                       None: the flag is local (right when gradients are replicated, as in DDP).
+    step_fn           from sharded plugins; how to step the inner optimizer, called as
+                      `step_fn(optim, *args, **kwargs)` (e.g. the same update run over the local
+                      shards of DTensor parameters, skipping DTensor dispatch). It must compute
+                      exactly what `optim.step` would. None: `optim.step(*args, **kwargs)`.
     """
 
     def __init__(
@@ -91,11 +96,13 @@ class OptimizerWrapper:
         scaler: DynamicLossScaler | None = None,
         grad_norm_fn: GradNormFn = plain_grad_norm,
         found_inf_fn: FoundInfFn | None = None,
+        step_fn: StepFn | None = None,
     ) -> None:
         self.optim = optim
         self.scaler = scaler
         self.grad_norm_fn = grad_norm_fn
         self.found_inf_fn = found_inf_fn
+        self.step_fn = step_fn
         self.last_step_skipped = False
         self._unscaled = False
         self._found_inf: bool | None = None
@@ -143,7 +150,7 @@ class OptimizerWrapper:
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.scaler is None:
             self.last_step_skipped = False
-            self.optim.step(*args, **kwargs)
+            self._step_inner(*args, **kwargs)
             return
         if self._found_inf is None:  # not yet decided by clip_grad_by_norm
             self._unscale_once(self._params_with_grad())
@@ -151,7 +158,7 @@ class OptimizerWrapper:
         self.scaler.update(found_inf)
         self.last_step_skipped = found_inf
         if not found_inf:
-            self.optim.step(*args, **kwargs)
+            self._step_inner(*args, **kwargs)
         self._unscaled, self._found_inf = False, None
 
     @property
@@ -172,6 +179,11 @@ class OptimizerWrapper:
             self.scaler.load_state_dict(scaler_state)
 
     # --- internals -------------------------------------------------------------------------
+    def _step_inner(self, *args: Any, **kwargs: Any) -> Any:
+        if self.step_fn is not None:
+            return self.step_fn(self.optim, *args, **kwargs)
+        return self.optim.step(*args, **kwargs)
+
     def _params_with_grad(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
 

@@ -9,7 +9,12 @@ stage 2   FSDP2 `fully_shard(reshard_after_forward=False)`: gradients are reduce
 `FullyShardPlugin` holds what every plugin built on FSDP2 shares (ZeRO-2 here, ZeRO-3 in
 `fsdp.py`): sharding the model and rebuilding the optimizer around the DTensor parameters,
 `no_sync` through `set_requires_gradient_sync`, the global norm of DTensor gradients, and
-fp16 overflow flags agreed across ranks.
+fp16 overflow flags agreed across ranks. Two speed paths, each computing what torch's default
+would: torch Adam/AdamW steps over the local shards (`adam_step_on_local_shards`, no DTensor
+dispatch per op; the state stays the optimizer's own DTensors), and on gloo FSDP2's all-gather
+and reduce-scatter run as rings of point-to-point exchanges (`RingAllGather`,
+`RingReduceScatter`), which cost less CPU than gloo's own collectives. See BENCHMARKS.md,
+"Booster overhead and step time".
 
 Checkpoints are sharded (`ShardedCheckpointIO`): each rank writes its own shards through
 torch.distributed.checkpoint, and a checkpoint reshards on load to any plugin and world size,
@@ -78,6 +83,161 @@ def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tens
     if not norms:
         return torch.zeros(())
     return norms[0] if len(norms) == 1 else plain_grad_norm(norms, norm_type)
+
+
+def local_shard_step_supported(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `adam_step_on_local_shards` can step `optimizer`: torch's own Adam or AdamW
+    (not a subclass, whose step may differ), not in differentiable mode."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and not any(g.get("differentiable", False) for g in optimizer.param_groups))
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` would run step pre/post hooks (the optimizer's or global ones;
+    torch keeps them in these private dicts)."""
+    from torch.optim import optimizer as optim_module
+
+    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None)
+                or getattr(optimizer, "_optimizer_step_post_hooks", None)
+                or optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
+
+
+def _shard_of(t: torch.Tensor, param: torch.Tensor, what: str) -> torch.Tensor:
+    """This rank's shard of `t` (gradient or optimizer state of `param`): the local tensor when
+    both are DTensors laid out alike, `t` when both are plain. Anything else would make an
+    elementwise update over local tensors wrong (e.g. a Partial gradient), so it raises."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        if not (isinstance(t, DTensor) and t.placements == param.placements and t.device_mesh == param.device_mesh):
+            layout = f"{t.placements} on {t.device_mesh}" if isinstance(t, DTensor) else "a plain tensor"
+            raise RuntimeError(f"local-shard step: the {what} of a DTensor parameter ({param.placements} on "
+                               f"{param.device_mesh}) is {layout}; it must be laid out like the parameter")
+        return t._local_tensor
+    if isinstance(t, DTensor):
+        raise RuntimeError(f"local-shard step: the {what} of a plain parameter is a DTensor")
+    return t
+
+
+def adam_step_on_local_shards(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    """One `optimizer.step()` of torch Adam/AdamW, run over the local shards of DTensor
+    parameters, gradients and state.
+
+    Why: Adam is elementwise, so each rank's update of its shards is the whole update of its
+    part of the model; running torch's functional `adam` (the group's own foreach / fused
+    choice, resolved for the local tensors) on the shards gives what `optimizer.step()` gives,
+    without DTensor's per-op dispatch (which made the FSDP2 step ~1.75x slower than DDP's step
+    over twice the elements). The state stays the optimizer's own DTensors (created on the first
+    step by the optimizer itself, updated in place through their local tensors), so
+    `state_dict()`, DCP checkpoints and resharding see nothing different.
+
+    With step hooks registered on the optimizer (or globally), it calls `optimizer.step()`
+    instead, which runs them (same update, through DTensor dispatch).
+    """
+    from torch.optim.adam import adam
+
+    if _has_step_hooks(optimizer):
+        return optimizer.step(closure)
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            max_exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
+            # the optimizer's own bookkeeping: lazy state init (DTensors like the parameters), checks
+            has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adam(
+                [_shard_of(p, p, "parameter") for p in params],
+                [_shard_of(g, p, "gradient") for g, p in zip(grads, params)],
+                [_shard_of(m, p, "exp_avg") for m, p in zip(exp_avgs, params)],
+                [_shard_of(v, p, "exp_avg_sq") for v, p in zip(exp_avg_sqs, params)],
+                [_shard_of(v, p, "max_exp_avg_sq") for v, p in zip(max_exp_avg_sqs, params)],
+                steps,  # plain scalar tensors, one per parameter
+                amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                fused=group["fused"], grad_scale=getattr(optimizer, "grad_scale", None),
+                found_inf=getattr(optimizer, "found_inf", None),
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+            )
+    return loss
+
+
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: Any) -> None:
+    """Send `send` to the next rank of `group` and receive `recv` from the previous one."""
+    rank, world = group.rank(), group.size()
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+class RingAllGather:
+    """FSDP2 all-gather as a ring of point-to-point exchanges (`FSDPModule.set_custom_all_gather`).
+
+    Why: on CPU, gloo's `all_gather_single` costs ~1.5x the CPU time of exchanging the same
+    bytes point to point (BENCHMARKS.md, "Booster overhead and step time"), and ZeRO-2 runs one
+    all-gather of the whole model per step. The result is the same bytes in the same places.
+    Synchronous (returns None, whatever `async_op`): FSDP2 then treats the gather as done; on
+    CPU, where these run, there is no second stream to overlap with anyway.
+    """
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        rank, world = group.rank(), group.size()
+        chunks = output_tensor.view(world, -1)
+        if chunks[rank].data_ptr() != input_tensor.data_ptr():  # FSDP2 copies in place; others may not
+            chunks[rank].copy_(input_tensor.view(-1))
+        for step in range(world - 1):  # pass on the chunk received last (our own first)
+            _ring_exchange(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group)
+
+
+class RingReduceScatter:
+    """FSDP2 reduce-scatter as a ring of point-to-point exchanges (`set_custom_reduce_scatter`).
+
+    Why: on CPU, gloo's `reduce_scatter_single` costs 2-3x the CPU time of the ring below.
+    Each of the `world - 1` steps sends a running partial sum of one chunk to the next rank
+    and adds this rank's contribution to the partial received; after the last step each rank
+    holds the sum of its own chunk. Sums run in ring order (bitwise what gloo gives at two
+    ranks; at more ranks the order, and so the last bits, may differ). ReduceOp.AVG divides
+    by the world size afterwards; other ops than SUM/AVG are refused. Extra memory: one chunk
+    to receive into (and one partial sum per step beyond two ranks). Synchronous, like
+    RingAllGather.
+    """
+
+    allocate = RingAllGather.allocate
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise NotImplementedError(f"RingReduceScatter: reduce op {op} (only SUM and AVG)")
+        rank, world = group.rank(), group.size()
+        chunks = input_tensor.view(world, -1)
+        out = output_tensor.view(-1)
+        if world == 1:
+            out.copy_(chunks[0])
+        send, recv = chunks[(rank - 1) % world], torch.empty_like(out)
+        for step in range(world - 1):
+            _ring_exchange(send, recv, group)
+            mine = chunks[(rank - step - 2) % world]  # the chunk whose partial sum just arrived
+            if step == world - 2:
+                torch.add(recv, mine, out=out)
+            else:
+                send = recv + mine
+        if op == dist.ReduceOp.AVG:
+            out.div_(world)
 
 
 class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
@@ -160,6 +320,10 @@ class FullyShardPlugin(TorchDDPPlugin):
         for _, module in units:
             fully_shard(module, **fully_shard_kwargs)
         fully_shard(model, **fully_shard_kwargs)
+        if dist.get_backend() == "gloo":  # gloo's own all-gather / reduce-scatter cost more CPU (see RingAllGather)
+            for module in [m for _, m in units] + [model]:
+                module.set_custom_all_gather(RingAllGather())
+                module.set_custom_reduce_scatter(RingReduceScatter())
         self._fsdp_module = model
         self.fsdp_units = [name for name, _ in units] + [""]
         wrapped = None
@@ -169,8 +333,11 @@ class FullyShardPlugin(TorchDDPPlugin):
         return self.wrap_model(model), wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerWrapper:
+        """torch Adam/AdamW step over the local shards (`adam_step_on_local_shards`: the same
+        update, without DTensor dispatch); other optimizers step themselves over the DTensors."""
+        step_fn = adam_step_on_local_shards if local_shard_step_supported(optimizer) else None
         return OptimizerWrapper(optimizer, scaler=self.precision.make_scaler(), grad_norm_fn=self.grad_norm,
-                                found_inf_fn=self._found_inf_anywhere)
+                                found_inf_fn=self._found_inf_anywhere, step_fn=step_fn)
 
     def _found_inf_anywhere(self, found: torch.Tensor) -> torch.Tensor:
         """All-reduce (MAX) this rank's fp16 overflow flag: each rank sees only its own gradient
