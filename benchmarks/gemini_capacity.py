@@ -20,6 +20,7 @@ on host; disk: params on host, state on disk) relative to all-device, and with p
 
     python benchmarks/gemini_capacity.py            # 256 MiB device budget, d=1024
     python benchmarks/gemini_capacity.py --quick    # 16 MiB, d=256: seconds
+    python benchmarks/gemini_capacity.py --precision-layers 7   # only: fp32 vs bf16 vs fp16 chunks, 7 layers
 Writes benchmarks/results/gemini_capacity.json.
 """
 from __future__ import annotations
@@ -111,6 +112,30 @@ def run(cfg: dict, d: int, layers: int, budget: int, steps: int, batch: int) -> 
             "non_model_bytes": rep["non_model_bytes"]}
 
 
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def precision_rows(d: int, layers: int, budget: int, steps: int, batch: int, out: str | None) -> None:
+    """Step time and peak device bytes of fp32 vs bf16 vs fp16 compute copies (fp32 masters and
+    AdamW state either way), all on device and with everything on host."""
+    rows = []
+    for mode in ("all-device", "host"):
+        for precision in ("fp32", "bf16", "fp16"):
+            r = run(dict(MODES[mode], precision=precision), d, layers, budget, steps, batch)
+            rows.append({"mode": mode, "precision": precision, "layers": layers, "step_s": r["step_s"],
+                         "peak_device_mib": r["peak_device_bytes"] / MiB})
+    print(f"Linear({d},{d}) x {layers}, batch {batch}, device budget {budget / MiB:.0f} MiB, 1 thread, "
+          f"best of {steps - 1} timed steps")
+    for r in rows:
+        base = next(b for b in rows if b["mode"] == r["mode"] and b["precision"] == "fp32")["step_s"]
+        print(f"{r['mode']:<11} {r['precision']:<5} {r['step_s']:.3f} s/step ({r['step_s'] / base:.2f}x fp32)  "
+              f"peak device {r['peak_device_mib']:.1f} MiB")
+    path = Path(out or RESULTS / "gemini_precision.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"d": d, "layers": layers, "batch": batch, "device_budget_bytes": budget,
+                                "torch": torch.__version__, "rows": rows}, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -119,7 +144,10 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-verify", action="store_true", help="skip the one-step run at each capacity")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gemini_capacity.json"))
+    ap.add_argument("--out", default=None, help="default: results/gemini_capacity.json "
+                    "(results/gemini_precision.json with --precision-layers)")
+    ap.add_argument("--precision-layers", type=int, default=None,
+                    help="only time fp32 vs bf16 vs fp16 compute copies at this many layers (no capacity search)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     budget = int((args.budget_mib or (16 if args.quick else 256)) * MiB)
@@ -128,6 +156,10 @@ def main() -> None:
     steps = args.steps or (3 if args.quick else 4)
     batch = 32
     per_layer = 16 * (d * d + d)
+    if args.precision_layers:
+        precision_rows(d, args.precision_layers, budget, steps, batch, args.out)
+        return
+    args.out = args.out or str(RESULTS / "gemini_capacity.json")
 
     rows = []
     for mode in MODES:

@@ -21,9 +21,15 @@ from tests.test_gemini import CONFIGS, data, make_model, make_opt, reference, tr
 
 TOL = dict(atol=2e-6, rtol=0)  # measured: ~1e-7 (the two-rank mean rounds differently)
 STEPS, CUT = 6, 3
+# shard_param_frac: the last half of the chunks sharded (the last quarter of them with params on
+# host and optimizer state on disk), the first half replicated on device; or every chunk
+# replicated, half of them with params on host and optimizer state on disk
+HALF = dict(shard_param_frac=0.5, offload_param_frac=0.25, disk_optim_frac=0.25)
 DIST_CONFIGS = {"all_device": CONFIGS["all_device"], "mix": CONFIGS["mix"],
                 "params_host_optim_device": CONFIGS["params_host_optim_device"],
-                "auto": dict(placement="auto", offload_optim_frac=0.5)}
+                "auto": dict(placement="auto", offload_optim_frac=0.5),
+                "shard_half": HALF,
+                "replicated": dict(shard_param_frac=0.0, offload_param_frac=0.5, disk_optim_frac=0.5)}
 
 
 def train_dist(booster, model, opt, steps: int, rank: int, world: int, clip: float = 0.5, start: int = 0):
@@ -93,7 +99,8 @@ def worker(rank: int, world: int, ckpt_root: str) -> dict:
         losses, norms = train_dist(booster, model, opt, STEPS, rank, world)
         rep = plugin.memory_report()
         out["runs"][name] = {"losses": losses, "norms": norms, "state": plugin.full_state_dict(), "report": rep,
-                             "estimate": est, "empty_param": all(p.numel() == 0 for p in m.parameters())}
+                             "estimate": est, "empty_param": [p.numel() == 0 for p in m.parameters()],
+                             "param_sharded": [plugin.manager.tensors[p].chunk.sharded for p in m.parameters()]}
         plugin.close()
     # --- accumulation: 3 micro-batches per step under no_sync (every backward still reduce-scatters)
     plugin, booster, m, model, opt = gemini_run(**CONFIGS["mix"])
@@ -105,6 +112,10 @@ def worker(rank: int, world: int, ckpt_root: str) -> dict:
     train_dist(booster, model, opt, CUT, rank, world)
     booster.save_checkpoint(root / "gemini2" / f"step_{CUT:06d}", model=model, optimizer=opt)
     plugin.close()
+    plugin, booster, m, model, opt = gemini_run(**HALF)
+    train_dist(booster, model, opt, CUT, rank, world)
+    booster.save_checkpoint(root / "gemini2_half" / f"step_{CUT:06d}", model=model, optimizer=opt)
+    plugin.close()
     booster, m, model, opt = fsdp_run()
     train_dist(booster, model, opt, CUT, rank, world)
     booster.save_checkpoint(root / "fsdp2" / f"step_{CUT:06d}", model=model, optimizer=opt)
@@ -115,13 +126,13 @@ def worker(rank: int, world: int, ckpt_root: str) -> dict:
         losses, _ = train_dist(booster, model, opt, STEPS - CUT, rank, world, start=CUT)
         out["resumed"][f"{src}->fsdp2"] = {"losses": losses, "state": fsdp_full(m)}
 
-    def resume_gemini(src: str) -> None:
-        plugin, booster, m, model, opt = gemini_run(**CONFIGS["mix"])
+    def resume_gemini(src: str, cfg: dict = CONFIGS["mix"], tag: str = "gemini2") -> None:
+        plugin, booster, m, model, opt = gemini_run(**cfg)
         m_fresh = make_model(seed=7).state_dict()  # different starting weights: the load must overwrite
         plugin.load_full_model_state(m, m_fresh)
         booster.load_checkpoint(root / src / f"step_{CUT:06d}", model=model, optimizer=opt)
         losses, _ = train_dist(booster, model, opt, STEPS - CUT, rank, world, start=CUT)
-        out["resumed"][f"{src}->gemini2"] = {"losses": losses, "state": plugin.full_state_dict(),
+        out["resumed"][f"{src}->{tag}"] = {"losses": losses, "state": plugin.full_state_dict(),
                                              "steps": [t.step for t in plugin.manager.order]}
         plugin.close()
 
@@ -130,6 +141,7 @@ def worker(rank: int, world: int, ckpt_root: str) -> dict:
     resume_gemini("gemini1")
     resume_fsdp("gemini1")
     resume_gemini("single")
+    resume_gemini("gemini2", HALF, "gemini2_half")  # all-sharded checkpoint into half-replicated chunks
     return out
 
 
@@ -171,10 +183,14 @@ def test_two_ranks_match_single_process_reference(dist_results, ref, name):
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), **TOL)
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref_norms), atol=0, rtol=1e-5)
         assert_state(run["state"], ref_state)
-        assert run["empty_param"]  # between steps a rank holds shards only, never the full weights
+        # between steps a rank holds only the shards of sharded chunks, never their full weights
+        assert run["empty_param"] == run["param_sharded"]
         rep = run["report"]
         assert rep["world_size"] == 2 and rep["n_chunks"] >= 4
-        assert rep["reduce_scatters"] == STEPS * rep["n_chunks"]  # one per chunk per backward
+        n_sharded = {"shard_half": round(rep["n_chunks"] / 2), "replicated": 0}.get(name, rep["n_chunks"])
+        assert rep["sharded_chunks"] == n_sharded
+        assert rep["reduce_scatters"] == STEPS * n_sharded  # one per chunk per backward
+        assert rep["all_reduces"] == STEPS * (rep["n_chunks"] - n_sharded)
         assert rep["device_peak_bytes"] <= run["estimate"]["device_bytes"] == rep["device_budget_bytes"]
         assert rep["fetches"] > 0 and rep["cached_chunks"] == 0
         if name == "auto":
@@ -184,14 +200,19 @@ def test_two_ranks_match_single_process_reference(dist_results, ref, name):
         one_rank = GeminiPlugin(chunk_size=2048, offload_param_frac=1.0, offload_optim_frac=0.5)
     with torch.device("meta"):
         meta = make_model()
-    # each rank keeps half of every resident chunk
-    assert results[0]["runs"][name]["estimate"]["device_resident_bytes"] * 2 == \
+    two, one = results[0]["runs"][name]["estimate"]["device_resident_bytes"], \
         one_rank.estimate(meta, make_opt(meta))["device_resident_bytes"]
+    if name == "replicated":  # every rank keeps every resident chunk whole
+        assert two == one
+    elif name == "shard_half":  # whole replicated chunks, halves of the sharded ones
+        assert one // 2 < two < one
+    else:  # each rank keeps half of every resident chunk
+        assert two * 2 == one
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("direction", ["gemini2->fsdp2", "fsdp2->gemini2", "gemini1->gemini2", "gemini1->fsdp2",
-                                       "single->gemini2"])
+                                       "single->gemini2", "gemini2->gemini2_half"])
 def test_two_rank_checkpoint_resumes(dist_results, ref, direction):
     ref_losses, _, ref_state = ref
     _, results = dist_results
@@ -205,7 +226,8 @@ def test_two_rank_checkpoint_resumes(dist_results, ref, direction):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("src,target", [("gemini2", "single"), ("fsdp2", "gemini1"), ("gemini2", "gemini1")])
+@pytest.mark.parametrize("src,target", [("gemini2", "single"), ("fsdp2", "gemini1"), ("gemini2", "gemini1"),
+                                        ("gemini2_half", "single")])
 def test_two_rank_checkpoint_resumes_in_one_process(dist_results, ref, src, target):
     ref_losses, _, ref_state = ref
     root, _ = dist_results

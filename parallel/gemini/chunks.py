@@ -4,31 +4,40 @@ the data-parallel ranks (ZeRO-3 style) when there are several.
 A chunk of `size` elements (a multiple of the world size W) is split into W shards of
 S = size/W elements; rank r keeps elements [r*S, (r+1)*S): the fp32 master, the gradient and
 the Adam/AdamW state (exp_avg, exp_avg_sq) of that range (with W = 1 the shard is the chunk).
-Per-tensor Adam step counts are kept on every rank. Where each shard lives is decided per chunk:
+Under `shard_param_frac` < 1 only the last chunks are sharded; the others are replicated: every
+rank keeps the whole chunk (S = size) and steps it identically. Per-tensor Adam step counts are
+kept on every rank. Where each shard lives is decided per chunk:
 
   params "device"   master + grad shard resident in the device budget for the whole run.
   params "host"     master + grad shard outside the budget.
   optim  "device" / "host" / "disk"   where exp_avg/exp_avg_sq live and the step runs; disk state
                     is streamed through the DiskStore by a background thread.
 
-Compute copies. A module's parameters must be whole while it runs. With W = 1 a device chunk's
-parameters are views of its master. Every other chunk (host params, or any chunk when W > 1) is
-*fetched*: a full-size buffer is reserved in the budget and filled (copied from the host master,
-or all-gathered from the W shards), and the parameters are pointed at views of it. `release`
+Compute copies. A module's parameters must be whole while it runs. An fp32 chunk that is
+replicated (W = 1, or not sharded under `shard_param_frac`) and whose params live on device has
+its parameters as views of its master. Every other chunk (host params, a sharded chunk, or any
+chunk when the compute dtype is bf16/fp16) is *fetched*: a full-size buffer of the compute
+dtype is reserved in the budget (2 bytes per element in bf16/fp16, half of fp32's) and filled
+(the master cast into it, or each rank's shard cast into its own slot of the buffer and then
+all-gathered in place, so low precision also halves the all-gather), and the parameters are
+pointed at views of it. `release`
 frees it, or (after a forward with grad enabled) leaves it cached for the coming backward;
 cached copies are evicted by the cache policy (LRU, or farthest-next-use under auto placement)
 when a reservation would exceed the budget, and all are flushed at the end of backward and
 before a step. A released W > 1 chunk leaves its parameters as empty tensors (reading one is
-an error, not stale data). Autograd does not keep freed copies alive: the saved-tensor hooks
-of the plugin store a reference (chunk, offset, size, stride) for every tensor that lives in a
-compute copy and re-read it from the re-fetched copy in backward.
+an error, not stale data); a replicated one points them back at the fp32 master. Autograd
+does not keep freed copies alive: the saved-tensor hooks of the plugin store a reference
+(chunk, offset, size, stride) for every tensor that lives in a compute copy and re-read it from
+the re-fetched copy in backward.
 
-Gradients. With W = 1 each parameter's gradient is added into the chunk's grad buffer. With
-W > 1 it goes into a full-size chunk gradient buffer (reserved in the budget) that is
-reduce-scattered into the grad shard (and divided by W: the data-parallel mean) as soon as every
-gradient of the chunk has arrived, or at the end of backward for chunks some of whose
-parameters got none. Every rank must use the same parameters in every backward (as for DDP
-without find_unused_parameters): the collectives run in the order gradients complete.
+Gradients arrive in the compute dtype and are added into fp32 buffers (so accumulation and
+reduction run in fp32). With W = 1 each parameter's gradient is added into the chunk's grad
+buffer. With W > 1 it goes into a full-size fp32 chunk gradient buffer (reserved in the budget)
+that is reduce-scattered into the grad shard (a replicated chunk: all-reduced into its full
+grad), divided by W (the data-parallel mean), as soon as every gradient of the chunk has
+arrived, or at the end of backward for chunks some of whose parameters got none. Every rank
+must use the same parameters in every backward (as for DDP without find_unused_parameters):
+the collectives run in the order gradients complete.
 
 Per-tensor state machine: HOLD (not in use) -> COMPUTE (its chunk is fetched for a forward or
 backward) -> READY (its gradient is in the chunk) -> REDUCED (W > 1: reduce-scattered into the
@@ -48,7 +57,8 @@ from .comm import ShardComm
 from .placement import LRUPolicy
 from .tiers import DeviceBudget
 
-F32 = 4  # bytes per element
+F32 = 4  # bytes per element of masters, gradients and optimizer state
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class TensorState(enum.Enum):
@@ -79,13 +89,14 @@ class Chunk:
     index: int
     size: int                     # elements, padding included (a multiple of the world size)
     group: int                    # optimizer param group
+    compute_dtype: torch.dtype = torch.float32  # dtype of the fetched copy the modules run with
     param_tier: str = "device"    # "device" | "host"
     optim_tier: str = "device"    # "device" | "host" | "disk"
     tensors: list[TensorInfo] = field(default_factory=list)
     used: int = 0                 # elements holding parameters
     shard_size: int = 0           # S = size / world
     shard_offset: int = 0         # rank * S
-    sharded: bool = False
+    sharded: bool = False         # False: every rank holds the whole chunk (W = 1, or replicated)
     master: torch.Tensor | None = None       # local shard (S)
     grad: torch.Tensor | None = None         # local shard (S)
     exp_avg: torch.Tensor | None = None      # local shard (S); None when on disk
@@ -99,7 +110,13 @@ class Chunk:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of a full-size fp32 buffer of the chunk (the W > 1 gradient buffer)."""
         return self.size * F32
+
+    @property
+    def compute_nbytes(self) -> int:
+        """Bytes of a fetched compute copy (half of `nbytes` in bf16/fp16)."""
+        return self.size * self.compute_dtype.itemsize
 
     @property
     def shard_nbytes(self) -> int:
@@ -108,7 +125,7 @@ class Chunk:
     @property
     def needs_fetch(self) -> bool:
         """Its parameters are not views of a resident master: they are fetched to run."""
-        return self.sharded or self.param_tier == "host"
+        return self.sharded or self.param_tier == "host" or self.compute_dtype != torch.float32
 
     @property
     def fetched(self) -> bool:
@@ -131,6 +148,21 @@ class Chunk:
         if hi <= lo:
             return None
         return lo - self.shard_offset, lo - t.offset, hi - lo
+
+
+ADD_BLOCK = 1 << 16  # elements per block of a mixed-dtype add
+
+
+def add_in_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst += src. When src has another dtype (bf16/fp16 gradients into fp32 buffers) torch's
+    CPU add first casts all of src to dst's dtype (a full-size temporary the budget would not
+    see); adding block by block bounds that temporary at ADD_BLOCK elements."""
+    if src.dtype == dst.dtype or src.numel() <= ADD_BLOCK:
+        dst.add_(src)
+        return
+    d, s = dst.view(-1), src.reshape(-1)
+    for i in range(0, d.numel(), ADD_BLOCK):
+        d[i:i + ADD_BLOCK].add_(s[i:i + ADD_BLOCK])
 
 
 def choose_chunk_size(numels: list[int], min_chunks: int = 4, align: int = 64) -> tuple[int, int]:
@@ -165,7 +197,11 @@ class ChunkManager:
     """Owns the chunks of one model, their shards, tiers, compute copies and the device budget."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter, int]], chunk_size: int | None,
-                 budget: DeviceBudget, disk=None, comm: ShardComm | None = None, policy=None) -> None:
+                 budget: DeviceBudget, disk=None, comm: ShardComm | None = None, policy=None,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        if compute_dtype != torch.float32 and compute_dtype not in LOW_PRECISION:
+            raise ValueError(f"compute_dtype {compute_dtype}: expected float32, bfloat16 or float16")
+        self.compute_dtype = compute_dtype
         self.budget = budget
         self.disk = disk
         self.comm = comm if comm is not None else ShardComm()
@@ -188,6 +224,7 @@ class ChunkManager:
         self.prefetches = 0
         self.prefetch_hits = 0
         self.reduce_scatters = 0
+        self.all_reduces = 0
         self.non_model_bytes = 0  # reserved after an auto warm-up: activations saved for backward
         S = self.chunk_size // world
         for name, p, group in named_params:
@@ -196,7 +233,7 @@ class ChunkManager:
             c = self.chunks[-1] if self.chunks else None
             if c is None or c.group != group or c.used + p.numel() > self.chunk_size:
                 c = Chunk(index=len(self.chunks), size=self.chunk_size, group=group, shard_size=S,
-                          shard_offset=self.comm.rank * S, sharded=self.comm.sharded)
+                          shard_offset=self.comm.rank * S, sharded=self.comm.sharded, compute_dtype=compute_dtype)
                 self.chunks.append(c)
             t = TensorInfo(param=p, name=name, chunk=c, offset=c.used, numel=p.numel(), shape=p.shape)
             c.tensors.append(t)
@@ -206,10 +243,19 @@ class ChunkManager:
             self.order.append(t)
 
     # --- placement ---------------------------------------------------------------------------
-    def place(self, offload_param_frac: float, offload_optim_frac: float, disk_optim_frac: float) -> None:
+    def place(self, offload_param_frac: float, offload_optim_frac: float, disk_optim_frac: float,
+              shard_param_frac: float = 1.0) -> None:
         """Static placement: the last chunks' params go to host; of the optimizer states, the
-        last `disk_optim_frac` go to disk, the `offload_optim_frac` before them to host."""
+        last `disk_optim_frac` go to disk, the `offload_optim_frac` before them to host. With
+        several ranks the last `shard_param_frac` of the chunks are sharded; the others are
+        replicated: every rank holds the whole master, gradient and optimizer state (stepped
+        redundantly, identically), and their gradients are all-reduced instead of reduce-scattered."""
         n = len(self.chunks)
+        n_sharded = round(shard_param_frac * n) if self.comm.sharded else 0
+        for c in self.chunks:
+            c.sharded = c.index >= n - n_sharded
+            c.shard_size = self.chunk_size // self.comm.world if c.sharded else self.chunk_size
+            c.shard_offset = self.comm.rank * c.shard_size if c.sharded else 0
         n_host_p = round(offload_param_frac * n)
         n_disk = round(disk_optim_frac * n)
         n_host_o = min(round(offload_optim_frac * n), n - n_disk)
@@ -273,11 +319,19 @@ class ChunkManager:
         budget.reserve(nbytes, what)
 
     def _fetch(self, c: Chunk) -> None:
-        """Reserve a full-size device buffer and fill it (host copy or all-gather of the shards)."""
-        why = "all-gathering its shards" if c.sharded else "params offloaded to host"
-        self.reserve(c.nbytes, f"fetching chunk {c.index} ({why})")
-        buf = torch.empty(c.size, dtype=torch.float32)
-        self.comm.all_gather(buf, c.master)  # W = 1: a host -> device copy
+        """Reserve a full-size device buffer of the compute dtype and fill it: the master cast
+        into it (a host -> device copy), or, sharded, this rank's shard cast into its own slot
+        and the buffer all-gathered in place (in the compute dtype: no fp32 temporary)."""
+        why = ("all-gathering its shards" if c.sharded else "params offloaded to host" if c.param_tier == "host"
+               else f"{c.compute_dtype} compute copy")
+        self.reserve(c.compute_nbytes, f"fetching chunk {c.index} ({why})")
+        buf = torch.empty(c.size, dtype=c.compute_dtype)
+        if c.sharded:
+            mine = buf[c.shard_offset:c.shard_offset + c.shard_size]
+            mine.copy_(c.master)
+            self.comm.all_gather(buf, mine)
+        else:
+            buf.copy_(c.master)
         c.compute = buf
         self.compute_ptrs[buf.untyped_storage().data_ptr()] = c
         for t in c.tensors:
@@ -308,7 +362,7 @@ class ChunkManager:
         for index in self.policy.prefetch(lambda i: self.chunks[i].refs > 0 or self.chunks[i].compute is not None):
             c = self.chunks[index]
             budget = self.budget
-            while budget.budget_bytes is not None and budget.resident_bytes + c.nbytes > budget.budget_bytes:
+            while budget.budget_bytes is not None and budget.resident_bytes + c.compute_nbytes > budget.budget_bytes:
                 if not self.cached:
                     return
                 victim = self.policy.victim(self.cached)
@@ -349,7 +403,7 @@ class ChunkManager:
         for t in c.tensors:
             t.param.data = self._released_view(c, t)
         c.compute = None
-        self.budget.release(c.nbytes)
+        self.budget.release(c.compute_nbytes)
         self.evictions += 1
 
     def flush(self) -> None:
@@ -393,29 +447,36 @@ class ChunkManager:
         if p.grad is None:
             return
         c = t.chunk
-        g = p.grad.detach().to(torch.float32)
+        g = p.grad.detach()  # the compute dtype; added into fp32 below (no fp32 temporary)
         p.grad = None
         t.state, t.has_grad = TensorState.READY, True
-        if not c.sharded:
-            c.view(c.grad, t).add_(g)
+        if self.comm.world == 1:
+            add_in_blocks(c.view(c.grad, t), g)
             return
         if c.grad_full is None:
-            self.reserve(c.nbytes, f"gradient buffer of chunk {c.index} (reduce-scattered when complete)")
+            how = "reduce-scattered" if c.sharded else "all-reduced"
+            self.reserve(c.nbytes, f"fp32 gradient buffer of chunk {c.index} ({how} when complete)")
             c.grad_full = torch.zeros(c.size, dtype=torch.float32)
-        c.view(c.grad_full, t).add_(g)
+        add_in_blocks(c.view(c.grad_full, t), g)
         c.grads_seen += 1
         if c.grads_seen >= c.grads_expected:
             self.reduce_chunk(c)
 
     def reduce_chunk(self, c: Chunk) -> None:
-        """Reduce-scatter a chunk's gradient buffer into the shards (mean over ranks) and free it."""
-        shard = torch.empty(c.shard_size, dtype=torch.float32)
-        self.comm.reduce_scatter(shard, c.grad_full)
-        c.grad.add_(shard.mul_(1.0 / self.comm.world))
+        """Reduce a chunk's fp32 gradient buffer over the ranks (mean) into its grad and free it:
+        reduce-scatter into the shard, or all-reduce for a replicated chunk."""
+        if c.sharded:
+            shard = torch.empty(c.shard_size, dtype=torch.float32)
+            self.comm.reduce_scatter(shard, c.grad_full)
+            c.grad.add_(shard.mul_(1.0 / self.comm.world))
+            self.reduce_scatters += 1
+        else:
+            self.comm.all_reduce(c.grad_full)
+            c.grad.add_(c.grad_full.mul_(1.0 / self.comm.world))
+            self.all_reduces += 1
         c.grad_full = None
         c.grads_seen = 0
         self.budget.release(c.nbytes)
-        self.reduce_scatters += 1
         for t in c.tensors:
             if t.state is TensorState.READY:
                 t.state = TensorState.REDUCED
@@ -441,15 +502,20 @@ class ChunkManager:
         return [t.chunk.view(t.chunk.grad, t) for t in self.order if t.has_grad]
 
     def grad_norm(self, norm_type: float) -> torch.Tensor:
-        """W > 1: the global gradient norm over all ranks' shards (padding is zero)."""
-        shards = [c.grad[:c.local_used] for c in self.chunks if c.local_used]
+        """W > 1: the global gradient norm over all ranks' shards (padding is zero); replicated
+        chunks (the same full gradient on every rank) are counted once, after the all-reduce."""
+        shards = [c.grad[:c.local_used] for c in self.chunks if c.local_used and c.sharded]
+        whole = [c.grad[:c.used] for c in self.chunks if c.used and not c.sharded]
         if math.isinf(norm_type):
-            local = max((s.abs().max() for s in shards if s.numel()), default=torch.tensor(0.0))
+            local = max((s.abs().max() for s in shards + whole if s.numel()), default=torch.tensor(0.0))
             return self.comm.all_reduce(torch.as_tensor(local, dtype=torch.float32).reshape(1), "max")[0]
         total = torch.zeros(1, dtype=torch.float64)
         for s in shards:
             total += s.double().abs().pow(norm_type).sum()
-        return self.comm.all_reduce(total)[0].pow(1.0 / norm_type).float()
+        total = self.comm.all_reduce(total)
+        for s in whole:
+            total += s.double().abs().pow(norm_type).sum()
+        return total[0].pow(1.0 / norm_type).float()
 
     # --- full tensors --------------------------------------------------------------------------
     def gather(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
@@ -476,6 +542,9 @@ class ChunkManager:
             "n_chunks": len(self.chunks),
             "world_size": self.comm.world,
             "shard_size": self.chunk_size // self.comm.world,
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "fetch_bytes": self.chunk_size * self.compute_dtype.itemsize,  # one fetched compute copy
+            "sharded_chunks": sum(c.sharded for c in self.chunks),
             "param_elements": used,
             "padding_elements": total - used,
             "padding_bytes": (total - used) * F32,
@@ -491,5 +560,6 @@ class ChunkManager:
             "prefetches": self.prefetches,
             "prefetch_hits": self.prefetch_hits,
             "reduce_scatters": self.reduce_scatters,
+            "all_reduces": self.all_reduces,
             "policy": self.policy.name,
         }

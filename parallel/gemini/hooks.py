@@ -5,8 +5,18 @@ Forward: a module's pre-hook acquires the chunks of its own parameters, its post
 them. Backward: a tensor hook on the module's output marks the start of its backward (acquire
 again); each parameter's post-accumulate-grad hook moves its gradient into the chunk and
 releases the chunk once all the module's gradients are in; an autograd end-of-backward callback
-releases what is left and lets the manager reduce-scatter incomplete chunks. Hooks are per
+releases what is left and lets the manager reduce-scatter incomplete chunks. From a module's
+backward start to its release, the bytes of its parameters' gradients as autograd produces them
+(in the compute dtype, before they are added into the chunk) are reserved in the device budget:
+they really exist there for that moment (the process-memory cross-check in
+tests/test_gemini_memory.py sees them). Hooks are per
 module, not per op, so any model built of modules works and `torch.compile` is not blocked.
+
+Low precision (bf16/fp16 compute copies): a module that owns chunked parameters also gets its
+fp32 tensor inputs cast to the compute dtype, so its parameters and inputs agree (ops outside
+autocast's lists, e.g. CPU layer_norm, refuse an fp32 input with a bf16 weight). Colossal-AI's
+Gemini casts the model's inputs once; casting per module also covers fp32 tensors made inside
+the model. Autocast (the ModelWrapper's) still runs its fp32 ops (softmax, losses) in fp32.
 """
 from __future__ import annotations
 
@@ -16,6 +26,24 @@ import torch
 from torch import nn
 
 from .chunks import Chunk, ChunkManager
+
+
+def _cast_fp32(obj: Any, dtype: torch.dtype) -> Any:
+    """`obj` with every fp32 tensor (in nested tuples/lists/dicts) cast to `dtype`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.dtype == torch.float32 else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _cast_fp32(v, dtype)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_cast_fp32(v, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_fp32(v, dtype) for v in obj)
+    return obj
+
+
+def grad_landing_bytes(params: list[nn.Parameter], dtype: torch.dtype) -> int:
+    """Bytes of the gradients autograd produces for `params` (in the compute dtype)."""
+    return sum(p.numel() for p in params if p.requires_grad) * dtype.itemsize
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -39,6 +67,7 @@ class ChunkHooks:
         self.module_params: dict[nn.Module, list[nn.Parameter]] = {}
         self.bwd_holds: dict[nn.Module, int] = {}
         self.pending: dict[nn.Module, set] = {}
+        self.landing_bytes: dict[nn.Module, int] = {}  # a module's gradients as autograd hands them over
         self._callback_queued = False
         for module in model.modules():
             params = [p for p in module.parameters(recurse=False) if p in manager.tensors and p not in self.owner]
@@ -53,8 +82,11 @@ class ChunkHooks:
                     chunks.append(c)
             self.module_chunks[module] = chunks
             self.module_params[module] = params
+            self.landing_bytes[module] = grad_landing_bytes(params, manager.compute_dtype)
             self.handles.append(module.register_forward_pre_hook(self._forward_pre))
             self.handles.append(module.register_forward_hook(self._forward_post))
+            if manager.compute_dtype != torch.float32:
+                self.handles.append(module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
         for p in manager.tensors:
             if p.requires_grad:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -62,6 +94,10 @@ class ChunkHooks:
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         for c in self.module_chunks[module]:
             self.manager.acquire(c)
+
+    def _cast_inputs(self, module: nn.Module, args: Any, kwargs: dict) -> tuple[Any, dict]:
+        dtype = self.manager.compute_dtype
+        return _cast_fp32(args, dtype), _cast_fp32(kwargs, dtype)
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
@@ -86,6 +122,8 @@ class ChunkHooks:
             self._callback_queued = True
         for c in self.module_chunks[module]:
             self.manager.acquire(c)
+        self.manager.reserve(self.landing_bytes[module], f"gradients of {type(module).__name__} as autograd hands "
+                                                         "them over (before they are added into the chunks)")
         self.bwd_holds[module] = self.bwd_holds.get(module, 0) + 1
         self.pending[module] = {p for p in self.module_params[module] if p.requires_grad}
 
@@ -100,6 +138,7 @@ class ChunkHooks:
 
     def _release_module(self, module: nn.Module) -> None:
         for _ in range(self.bwd_holds.pop(module, 0)):
+            self.manager.budget.release(self.landing_bytes[module])
             for c in self.module_chunks[module]:
                 self.manager.release(c)
         self.pending.pop(module, None)

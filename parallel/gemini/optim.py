@@ -8,6 +8,16 @@ is prefetched one chunk ahead by a background thread through a bounded buffer (a
 chunk-state buffers alive). Gradient clipping computes the global norm (over all ranks' shards)
 and folds the clip factor into the step.
 
+The update always runs in fp32 on the fp32 master shards, whatever the compute dtype; the chunk
+gradients are fp32 too (bf16/fp16 gradients are added into them). fp16 dynamic loss scaling
+(`precision.DynamicLossScaler`, the algorithm every other plugin uses) is folded in: `backward`
+scales the loss; before clipping or stepping, each chunk's fp32 gradient shard is unscaled in
+place by the fused non-finite-check-and-unscale kernel, in the tier where it lives, and the
+found-inf flag is agreed across ranks (one all-reduce MAX); clipping computes the norm of the
+unscaled gradients, a non-finite norm also counts as an overflow; on overflow the step is
+skipped on every rank (no Adam state or step count changes) and the scale backs off, otherwise
+it grows after `growth_interval` clean steps.
+
 `state_dict`/`load_state_dict` use torch.optim.AdamW's layout (full tensors by parameter index,
 gathered from the shards when W > 1, a collective then).
 """
@@ -19,6 +29,7 @@ import torch
 from torch import nn
 from torch.optim.adam import adam as _adam_functional
 
+from ..precision import DynamicLossScaler
 from ..wrappers import OptimizerWrapper
 from .chunks import GRAD_STATES, Chunk, ChunkManager, TensorState
 from .tiers import DiskStore
@@ -28,8 +39,8 @@ class GeminiOptimizer(OptimizerWrapper):
     """Adam/AdamW over the chunks of a ChunkManager."""
 
     def __init__(self, optim: torch.optim.Optimizer, manager: ChunkManager, disk: DiskStore | None,
-                 on_step: Any = None) -> None:
-        super().__init__(optim, scaler=None)
+                 on_step: Any = None, scaler: DynamicLossScaler | None = None) -> None:
+        super().__init__(optim, scaler=scaler)
         self.manager = manager
         self.disk = disk
         self.on_step = on_step  # called before every step (the auto placement ends its warm-up there)
@@ -44,6 +55,16 @@ class GeminiOptimizer(OptimizerWrapper):
         for t in self.manager.order:
             t.param.grad = None
         self._clip_coef = None
+        self._unscaled, self._found_inf = False, None
+
+    def _unscale_once(self, params: Any = None) -> None:
+        """fp16: unscale every chunk's fp32 gradient shard in place (once per step) and agree
+        across ranks whether some gradient overflowed."""
+        if self.scaler is None or self._unscaled:
+            return
+        found = self.scaler.unscale_([c.grad for c in self.manager.chunks])
+        self._found_inf = bool(self.manager.comm.all_reduce(found, "max").item() > 0)
+        self._unscaled = True
 
     def _params_with_grad(self) -> list[torch.Tensor]:
         return self.manager.grad_views()
@@ -51,6 +72,7 @@ class GeminiOptimizer(OptimizerWrapper):
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm over the chunk gradients (all ranks); the clip factor is applied inside
         `step` (one pass over each chunk, in its own tier) unless clipping is asked for again."""
+        self._unscale_once()  # fp16: the norm is that of the unscaled gradients
         if self._clip_coef is not None:  # clipped twice before a step: materialise the first factor
             with torch.no_grad():
                 for c in self.manager.chunks:
@@ -61,6 +83,10 @@ class GeminiOptimizer(OptimizerWrapper):
         else:
             grads = self.manager.grad_views()
             norm = self.grad_norm_fn(grads, norm_type) if grads else torch.tensor(0.0)
+        if self.scaler is not None:  # the norm is global: the same verdict on every rank
+            self._found_inf = bool(self._found_inf) or not bool(torch.isfinite(norm))
+            if self._found_inf:  # the step will be skipped; leave the gradients alone
+                return norm
         self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grads_with_norm_
         return norm
 
@@ -77,8 +103,8 @@ class GeminiOptimizer(OptimizerWrapper):
         ready = [t for t in c.tensors if t.state in GRAD_STATES]
         if not ready:
             return
-        if c.sharded and any(t.state is TensorState.READY for t in ready):
-            raise RuntimeError(f"chunk {c.index}: gradients were not reduce-scattered before the step")
+        if self.manager.comm.sharded and any(t.state is TensorState.READY for t in ready):
+            raise RuntimeError(f"chunk {c.index}: gradients were not reduced over the ranks before the step")
         if self._clip_coef is not None:
             c.grad.mul_(self._clip_coef)
         hyper = self._hyper(self.optim.param_groups[c.group])
@@ -113,6 +139,15 @@ class GeminiOptimizer(OptimizerWrapper):
             self.on_step()
         self.manager.flush()
         self.manager.policy.on_step()
+        if self.scaler is not None:
+            self._unscale_once()
+            skip = bool(self._found_inf)
+            self.scaler.update(skip)
+            self._unscaled, self._found_inf = False, None
+            if skip:  # an inf/nan gradient on some rank: no rank steps; zero_grad discards them
+                self.last_step_skipped = True
+                self._clip_coef = None
+                return
         with torch.no_grad():
             disk_chunks = [c for c in self.manager.chunks if c.optim_tier == "disk"
                            and any(t.state in GRAD_STATES for t in c.tensors)]
@@ -160,6 +195,7 @@ class GeminiOptimizer(OptimizerWrapper):
         """torch.optim.AdamW's layout, full tensors (gathered from the shards: collective)."""
         self.manager.flush()
         sd = self.optim.state_dict()  # param_groups (the inner optimizer never steps: no state)
+        extra = {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
         state: dict[int, dict[str, torch.Tensor]] = {}
         cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, p in enumerate(self._indexed_params()):
@@ -173,13 +209,15 @@ class GeminiOptimizer(OptimizerWrapper):
             ea, eas = cache[c.index]
             state[i] = {"step": torch.tensor(float(t.step)), "exp_avg": c.view(ea, t).clone(),
                         "exp_avg_sq": c.view(eas, t).clone()}
-        return {"state": state, "param_groups": sd["param_groups"]}
+        return {"state": state, "param_groups": sd["param_groups"], **extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """torch.optim.AdamW's layout (full tensors by index): each rank keeps its slices."""
         self.manager.flush()
         state = dict(state)
-        state.pop("loss_scaler", None)
+        scaler_state = state.pop("loss_scaler", None)
+        if self.scaler is not None and scaler_state is not None:
+            self.scaler.load_state_dict(scaler_state)
         saved = state.get("state", {})
         self.optim.load_state_dict({"state": {}, "param_groups": state["param_groups"]})  # checks group sizes
         by_param = {p: saved.get(i, saved.get(str(i))) for i, p in enumerate(self._indexed_params())}

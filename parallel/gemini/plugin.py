@@ -17,9 +17,15 @@ the budget minus those bytes is a cache managed by farthest-next-use eviction wi
 Checkpoints go through the layout-free DCP checkpoint IO (`checkpoint_io.py`): Gemini, FSDP,
 DDP, ZeRO and single-process runs resume each other's at any world size.
 
-Not here: low-precision compute copies (bf16 runs through autocast on the fp32 chunks; fp16 loss
-scaling is refused), CUDA streams (on CUDA the budget would be real device memory; this code
-keeps every tier in CPU memory and accounts the device tier against the budget).
+Precision: "fp32", or "bf16"/"fp16" compute copies: every chunk keeps its fp32 master (and fp32
+gradient and Adam state) in its tier; the copy a module runs with is fetched in bf16/fp16 (half
+the device bytes and half the all-gather of an fp32 fetch), under autocast, with each module's
+fp32 inputs cast to match; gradients arrive in bf16/fp16 and are accumulated and reduced in
+fp32; AdamW steps the fp32 masters. fp16 adds dynamic loss scaling folded into the chunk
+optimizer (`optim.py`).
+
+Not here: CUDA streams (on CUDA the budget would be real device memory; this code keeps every
+tier in CPU memory and accounts the device tier against the budget).
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from ..wrappers import ModelWrapper, OptimizerWrapper
 from .checkpoint_io import GeminiCheckpointIO
 from .chunks import ChunkManager
 from .comm import ShardComm
-from .hooks import ChunkHooks, GeminiModule
+from .hooks import ChunkHooks, GeminiModule, grad_landing_bytes
 from .optim import GeminiOptimizer
 from .placement import AutoPolicy, LRUPolicy
 from .tiers import DeviceBudget, DeviceBudgetError, DiskStore
@@ -66,28 +72,39 @@ class GeminiPlugin(Plugin):
     chunk_size           elements per chunk; None: chosen to minimise padding (rounded up to a
                          multiple of the world size).
     prefetch_depth       auto: chunks fetched ahead of use.
-    precision            "fp32" or "bf16" (autocast over the fp32 chunks).
+    precision            "fp32", "bf16" or "fp16" (or a MixedPrecision: its loss-scaling fields
+                         apply to fp16): the dtype of the fetched compute copies; masters,
+                         gradients and optimizer state stay fp32.
 
-    With several ranks (torch.distributed initialised) every chunk is sharded over all of them:
-    each rank keeps 1/W of every master, gradient and optimizer state; give each rank its share
-    of the global batch (the gradients are averaged).
+    shard_param_frac     static, several ranks: fraction of chunks (the last ones) sharded over the
+                         ranks; the others are replicated (each rank holds the whole chunk, its
+                         gradients are all-reduced, its optimizer step runs on every rank). 1.0:
+                         ZeRO-3 for every chunk; 0.0: every chunk replicated (DDP-like). No effect
+                         with one process.
+
+    With several ranks (torch.distributed initialised) each sharded chunk is split over all of
+    them: each rank keeps 1/W of its master, gradient and optimizer state; give each rank its
+    share of the global batch (the gradients are averaged).
     """
 
     name = "gemini"
     supports_no_sync = True
     supports_sharded_checkpoint = True
-    supported_precisions = ("fp32", "bf16")
+    supported_precisions = ("fp32", "bf16", "fp16")
 
     def __init__(self, placement: str = "static", device_budget_bytes: int | None = None,
                  offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0, disk_optim_frac: float = 0.0,
                  disk_dir: "str | os.PathLike | None" = None, chunk_size: int | None = None,
-                 prefetch_depth: int = 1, precision: "str | MixedPrecision | None" = None) -> None:
+                 prefetch_depth: int = 1, precision: "str | MixedPrecision | None" = None,
+                 shard_param_frac: float = 1.0) -> None:
         if placement not in ("static", "auto"):
             raise ValueError(f"placement={placement!r}: expected 'static' or 'auto'")
         if placement == "auto" and offload_param_frac:
             raise ValueError("placement='auto' decides where parameters live; leave offload_param_frac at 0")
+        if placement == "auto" and shard_param_frac != 1.0:
+            raise ValueError("placement='auto' shards every chunk; shard_param_frac is for placement='static'")
         for name, frac in (("offload_param_frac", offload_param_frac), ("offload_optim_frac", offload_optim_frac),
-                           ("disk_optim_frac", disk_optim_frac)):
+                           ("disk_optim_frac", disk_optim_frac), ("shard_param_frac", shard_param_frac)):
             if not 0.0 <= frac <= 1.0:
                 raise ValueError(f"{name}={frac} must lie in [0, 1]")
         if offload_optim_frac + disk_optim_frac > 1.0 + 1e-9:
@@ -102,6 +119,7 @@ class GeminiPlugin(Plugin):
         self.offload_param_frac = 1.0 if placement == "auto" else offload_param_frac
         self.offload_optim_frac = offload_optim_frac
         self.disk_optim_frac = disk_optim_frac
+        self.shard_param_frac = shard_param_frac
         self.disk_dir = disk_dir
         self.chunk_size = chunk_size
         self.prefetch_depth = prefetch_depth
@@ -152,9 +170,10 @@ class GeminiPlugin(Plugin):
                 f"{need['device_bytes']} bytes = {need['device_resident_bytes']} resident (params+grads of "
                 f"{need['device_param_chunks']} device chunks, optimizer state of {need['device_optim_chunks']} "
                 f"device chunks) + {need['device_working_bytes']} working (largest module fetch "
-                f"{need['largest_fetch_bytes']}, gradient buffers {need['grad_buffer_bytes']}, device step copy "
+                f"{need['largest_fetch_bytes']}, its fresh gradients {need['grad_landing_bytes']}, gradient "
+                f"buffers {need['grad_buffer_bytes']}, device step copy "
                 f"{need['step_copy_bytes']}); {len(manager.chunks)} chunks of {manager.chunk_size} elements "
-                f"({manager.chunk_size * 4} bytes) over {self.comm.world} rank(s). Raise device_budget_bytes or "
+                f"({manager.chunk_size * 4} bytes fp32) over {self.comm.world} rank(s). Raise device_budget_bytes or "
                 "offload more")
         if any(c.optim_tier == "disk" for c in manager.chunks):
             self.disk = DiskStore(self.disk_dir)
@@ -166,7 +185,8 @@ class GeminiPlugin(Plugin):
         self.manager, self._hooks = manager, hooks
         self.module = GeminiModule(model, manager)
         self.module.measure = self.placement == "auto"
-        self.optimizer = GeminiOptimizer(optimizer, manager, self.disk, on_step=self._on_step)
+        self.optimizer = GeminiOptimizer(optimizer, manager, self.disk, on_step=self._on_step,
+                                         scaler=self.precision.make_scaler())
         self.optimizer.grad_norm_fn = self.grad_norm
         return self.wrap_model(model, self.module), self.optimizer, criterion, dataloader, lr_scheduler
 
@@ -181,8 +201,8 @@ class GeminiPlugin(Plugin):
             named.append((name, p, group_of[p]))
         policy = AutoPolicy(self.prefetch_depth) if self.placement == "auto" else LRUPolicy()
         manager = ChunkManager(named, self.chunk_size, DeviceBudget(self.device_budget_bytes), comm=self.comm,
-                               policy=policy)
-        manager.place(self.offload_param_frac, self.offload_optim_frac, self.disk_optim_frac)
+                               policy=policy, compute_dtype=self.precision.torch_dtype or torch.float32)
+        manager.place(self.offload_param_frac, self.offload_optim_frac, self.disk_optim_frac, self.shard_param_frac)
         return manager
 
     def _on_step(self) -> None:
@@ -203,31 +223,36 @@ class GeminiPlugin(Plugin):
     def estimate(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  manager: ChunkManager | None = None) -> dict[str, int]:
         """Bytes this placement needs per tier and rank, without allocating (the model may live on
-        the meta device): device = resident + working set (the largest module fetch plus, with
-        several ranks, the full-size gradient buffers of the chunks that can be incomplete at
-        once; or a device step copy); host = host-tier shards + the disk stream's bounded buffers
-        (3 chunk shards). Auto placement adds the activation bytes it measures in its warm-up."""
+        the meta device): device = resident + working set (the largest module fetch plus the
+        gradients its backward produces, plus, with several ranks, the full-size fp32 gradient
+        buffers of the chunks that can be incomplete at once; or a device step copy); host =
+        host-tier shards + the disk stream's bounded buffers (3 chunk shards). Auto placement
+        adds the activation bytes it measures in its warm-up."""
         manager = manager if manager is not None else self._plan(model, optimizer)
         resident = manager.resident_bytes_needed()
-        fetch, grad_bufs = 0, 0
+        fetch, landing, module_bwd, grad_bufs = 0, 0, 0, 0
         for module in model.modules():
-            chunks = {manager.tensors[p].chunk.index: manager.tensors[p].chunk
-                      for p in module.parameters(recurse=False) if p in manager.tensors}
-            fetch = max(fetch, sum(c.nbytes for c in chunks.values() if c.needs_fetch))
-            if manager.comm.sharded:  # the module's chunks plus the one before them may be partial
+            params = [p for p in module.parameters(recurse=False) if p in manager.tensors]
+            chunks = {manager.tensors[p].chunk.index: manager.tensors[p].chunk for p in params}
+            here = sum(c.compute_nbytes for c in chunks.values() if c.needs_fetch)
+            grads = grad_landing_bytes(params, manager.compute_dtype)
+            fetch, landing = max(fetch, here), max(landing, grads)
+            module_bwd = max(module_bwd, here + grads)  # a module's backward: its copies + its fresh grads
+            if manager.comm.world > 1:  # the module's chunks plus the one before them may be partial
                 grad_bufs = max(grad_bufs, (len(chunks) + 1) * manager.chunk_size * 4)
         step = max((2 * c.shard_nbytes for c in manager.chunks if c.optim_tier == "device" and c.param_tier == "host"),
                    default=0)
-        working = max(fetch + grad_bufs, step)
+        working = max(module_bwd + grad_bufs, step)
         disk_chunks = [c for c in manager.chunks if c.optim_tier == "disk"]
         host = sum((2 * c.shard_nbytes if c.param_tier == "host" else 0)
                    + (2 * c.shard_nbytes if c.optim_tier == "host" else 0) for c in manager.chunks) \
-            + 3 * 2 * manager.chunk_size // manager.comm.world * 4 * min(1, len(disk_chunks))
+            + 3 * 2 * max((c.shard_nbytes for c in disk_chunks), default=0)
         return {
             "device_bytes": resident + working,
             "device_resident_bytes": resident,
             "device_working_bytes": working,
             "largest_fetch_bytes": fetch,
+            "grad_landing_bytes": landing,
             "grad_buffer_bytes": grad_bufs,
             "step_copy_bytes": step,
             "device_param_chunks": sum(c.param_tier == "device" for c in manager.chunks),
@@ -308,5 +333,6 @@ class GeminiPlugin(Plugin):
     def __repr__(self) -> str:
         return (f"GeminiPlugin(placement={self.placement!r}, device_budget_bytes={self.device_budget_bytes}, "
                 f"offload_param_frac={self.offload_param_frac}, offload_optim_frac={self.offload_optim_frac}, "
-                f"disk_optim_frac={self.disk_optim_frac}, world_size={self.comm.world}, "
+                f"disk_optim_frac={self.disk_optim_frac}, shard_param_frac={self.shard_param_frac}, "
+                f"world_size={self.comm.world}, "
                 f"precision={self.precision.dtype!r})")

@@ -1,0 +1,115 @@
+"""The device budget's accounting cross-checked against the process's real memory.
+
+On CPU the "device" tier is ordinary process memory, so the bytes the chunk manager says it
+holds in the device tier during a forward + backward (fetched compute copies, gradient buffers,
+gradients as autograd hands them over) must appear in the process's resident set, and nothing
+large may appear that it does not account for. A child process (so the allocator can be pinned)
+trains a stack of Linear(1024, 1024) layers, one 4 MiB fp32 chunk per layer, params and optimizer
+state on host, under the tightest budget `estimate` allows, and measures one forward + backward:
+
+  measured   peak RSS during it (VmHWM, reset through /proc/self/clear_refs) - RSS before it
+  accounted  the manager's peak device bytes during it - its device bytes before it
+
+with glibc's mmap threshold pinned at 64 KiB (MALLOC_MMAP_THRESHOLD_), so every tensor storage
+above it is its own mapping, returned to the system when freed: RSS then follows live tensor
+bytes to the page. `measured - accounted` must lie within SLACK, which covers what the budget
+rightly leaves out: activations of a 4-row batch (16 KiB per layer) and autograd bookkeeping.
+A fetched chunk is 4 MiB (2 MiB in bf16), so one copy unaccounted or kept alive is caught: the
+negative control keeps autograd holding the copies the manager released (its saved-tensor
+hook off) and the check must fail (measured 12.7 MB against 4.2 MB accounted). This check found
+that bf16 gradients added into fp32 chunk buffers made a full-size fp32 temporary (torch's CPU
+add casts the whole input first), and that the gradients autograd hands over before they enter a
+chunk were not reserved; both are fixed. Not covered: the optimizer step (its host-tier
+temporaries and the simulated device step copy are not device memory a CPU process can tell
+apart).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLACK = 512 << 10  # bytes; measured - accounted was -64 KiB (fp32) and +80 KiB (bf16)
+D, LAYERS, BATCH = 1024, 6, 4
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def probe(precision: str, keep_released_copies: bool) -> dict:
+    """Runs in the child: two warm-up steps, then one measured forward + backward."""
+    import torch
+    from torch import nn
+
+    from parallel import Booster, GeminiPlugin
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
+    cfg = dict(chunk_size=D * D + D, offload_param_frac=1.0, offload_optim_frac=1.0, precision=precision)
+    with torch.device("meta"):
+        meta = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
+    budget = GeminiPlugin(**cfg).estimate(meta, torch.optim.AdamW(meta.parameters()))["device_bytes"]
+    plugin = GeminiPlugin(device_budget_bytes=budget, **cfg)
+    booster = Booster(plugin)
+    wrapped, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if keep_released_copies:  # negative control: autograd keeps every copy it saw alive
+        plugin.manager.pack = lambda t: t
+    x = torch.randn(BATCH, D)
+
+    def forward_backward():
+        booster.backward(wrapped(x).float().pow(2).mean(), opt)
+
+    for _ in range(2):
+        forward_backward()
+        opt.step()
+        opt.zero_grad()
+    m = plugin.manager
+    before_rss, before_dev = _status("VmRSS"), m.budget.resident_bytes
+    m.budget.reset_peak()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    forward_backward()
+    out = {"measured": _status("VmHWM") - before_rss, "accounted": m.budget.peak_bytes - before_dev,
+           "fetch_bytes": m.report()["fetch_bytes"], "fetches": m.fetches, "budget": budget,
+           "peak": m.budget.peak_bytes}
+    plugin.close()
+    return out
+
+
+def run_probe(precision: str, keep_released_copies: bool = False) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__, precision, str(int(keep_released_copies))], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_device_accounting_matches_process_memory(precision):
+    r = run_probe(precision)
+    assert r["peak"] <= r["budget"]
+    assert r["accounted"] >= 2 * r["fetch_bytes"]  # the step really moved chunks through the budget
+    assert abs(r["measured"] - r["accounted"]) <= SLACK, r
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
+def test_cross_check_catches_copies_the_accounting_misses():
+    r = run_probe("bf16", keep_released_copies=True)
+    assert r["measured"] - r["accounted"] > SLACK + r["fetch_bytes"], r  # several released copies still alive
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe(sys.argv[1], bool(int(sys.argv[2])))))
