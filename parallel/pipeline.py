@@ -30,6 +30,14 @@ Stage outputs are point-to-point buffers whose shapes `PipelineStage` infers fro
 micro-batch (one extra forward and backward of it, under a forked RNG). Batches of another shape
 need other buffers: the runner keeps one stage and schedule per batch signature and builds a
 new one (new inference) when the signature changes; ranks must agree on it, which is checked.
+
+Other parallelisms compose on the stage modules, in the torchtitan order, before the first run:
+tensor parallel on the stage's layers (plain tensors in and out, so only local activations
+travel), then FSDP2 `fully_shard` of each module in `runner.modules` (the modules the
+`PipelineStage`s run): torch's stage then holds gradients unreduced over the micro-batches
+(`set_requires_gradient_sync(False)`) and reduce-scatters them once after the last backward.
+Row-sequence parallelism cuts each table's rows before the batch tensors reach the stages
+(`shard_batch`); its collectives are hooks on modules that live on stages.
 """
 from __future__ import annotations
 
@@ -157,7 +165,9 @@ class PipelineOnlyModule(nn.Module):
 class _AutocastStage(nn.Module):
     """Runs a stage under the plugin's autocast; the last stage's outputs come back in fp32
     (as `ModelWrapper` does for a whole model), the others contiguous (point-to-point
-    transfers need contiguous buffers, and the receive buffers copy the outputs' strides)."""
+    transfers need contiguous buffers, and the receive buffers copy the outputs' strides).
+    This is the module a `PipelineStage` runs, so it is also the one to make an FSDP root
+    (torch's stage special-cases FSDP only on the module it was given)."""
 
     def __init__(self, stage: nn.Module, precision: MixedPrecision, device: torch.device, last: bool) -> None:
         super().__init__()
@@ -183,11 +193,23 @@ class PipelineRunner:
     pp_rank, pp       this rank's place in the pp group and its size.
     group             the pp process group.
     num_microbatches  equal micro-batches per batch (the batch size must be a multiple).
+    shard_batch       batch -> the part of it this rank's stages compute on (row-sequence
+                      parallel: this rank's rows of every table); None: the whole batch. The
+                      criterion still gets the whole batch's items (it cuts rows itself).
+    loss_scale        factor on every micro-batch loss before its backward (besides
+                      1 / num_microbatches), e.g. sp under FSDP, which averages gradients that
+                      the sp ranks' shares must sum.
+
+    `modules` are what the `PipelineStage`s run (the stages under the plugin's autocast); a data
+    parallel wrapper (FSDP2 `fully_shard`) goes on them before the first `run`.
     """
 
     def __init__(self, stages: list[nn.Module], plan: PipelinePlan, pp_rank: int, pp: int, group: Any,
-                 device: torch.device, num_microbatches: int, precision: MixedPrecision) -> None:
+                 device: torch.device, num_microbatches: int, precision: MixedPrecision,
+                 shard_batch: Callable[[Any], Any] | None = None, loss_scale: float = 1.0) -> None:
         self.plan = plan
+        self.shard_batch = shard_batch
+        self.loss_scale = float(loss_scale)
         self.pp_rank, self.pp, self.group = pp_rank, pp, group
         self.num_stages = pp * len(stages)
         self.indices = [pp_rank + i * pp for i in range(len(stages))]
@@ -204,7 +226,7 @@ class PipelineRunner:
         self._keep_outputs = False
 
     def _tensors(self, batch: Any) -> dict[str, torch.Tensor]:
-        tensors = self.plan.batch_tensors(batch)
+        tensors = self.plan.batch_tensors(self.shard_batch(batch) if self.shard_batch is not None else batch)
         sizes = {name: int(t.shape[0]) for name, t in tensors.items()}
         if not sizes or len(set(sizes.values())) != 1:
             raise ValueError(f"PipelinePlan.batch_tensors must give tensors with the batch's items on dim 0 "
@@ -250,7 +272,7 @@ class PipelineRunner:
         result = self._criterion(made, self._batch[start:stop])
         loss, metrics = result if isinstance(result, tuple) else (result, None)
         self._records.append((loss.detach(), metrics, made if self._keep_outputs else None))
-        return loss / self.num_microbatches
+        return loss * (self.loss_scale / self.num_microbatches)
 
     def run(self, batch: Any, criterion: Callable, return_outputs: bool = False) -> dict[str, Any]:
         """Forward and backward of every micro-batch of `batch` through the pipeline (collective
@@ -261,9 +283,11 @@ class PipelineRunner:
         tensors = self._tensors(batch)
         signature = tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors.items())
         self._agree(signature)
+        inferring = signature != self._signature
         schedule = self._schedule_for(signature)
         items = next(iter(tensors.values())).shape[0]
         self._batch, self._criterion, self._records, self._keep_outputs = batch, criterion, [], return_outputs
+        held = self._set_aside_grads() if inferring else []
         try:
             if self.is_last:
                 schedule.step(target=torch.arange(items, device=self.device), return_outputs=False, **tensors)
@@ -273,12 +297,32 @@ class PipelineRunner:
         finally:
             self._batch = self._criterion = None
             self._records = []
+            self._add_back_grads(held)
         summary = _summarise(records) if self.is_last else None
         box = [summary]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, self.pp - 1), group=self.group)
         loss, metrics = box[0]
         return {"loss": torch.tensor(loss, device=self.device), "metrics": metrics,
                 "outputs": [r[2] for r in records] if return_outputs and self.is_last else None}
+
+
+    def _set_aside_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Gradients accumulated before a run that infers shapes (a new batch signature): torch
+        clears the gradients of FSDP modules after its inference forward and backward, which
+        would drop them. They are held here and added back after the run."""
+        held = []
+        for module in self.modules:
+            for p in module.parameters():
+                if p.grad is not None:
+                    held.append((p, p.grad))
+                    p.grad = None
+        return held
+
+    @staticmethod
+    def _add_back_grads(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for p, grad in held:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
 
 
 def _summarise(records: list[tuple[torch.Tensor, Any, Any]]) -> tuple[float, dict[str, float]]:
@@ -304,6 +348,12 @@ def pipeline_grad_norm(local: torch.Tensor, norm_type: float, group: Any) -> tor
     power = local ** norm_type
     dist.all_reduce(power, op=dist.ReduceOp.SUM, group=group)
     return (power ** (1.0 / norm_type)).float()
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (FSDP or tensor-parallel shards: a collective over their
+    mesh, so every rank of the stage calls it in the same order); a plain tensor as it is."""
+    return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
 
 
 # --- checkpoints ----------------------------------------------------------------------------
@@ -382,7 +432,7 @@ class PipelineCheckpointIO(ShardedCheckpointIO):
 
         from .export import export_model
 
-        own = get_model_state_dict(unwrap_model(model))
+        own = {k: _full_tensor(v) for k, v in get_model_state_dict(unwrap_model(model)).items()}  # stage peers
         state: dict[str, torch.Tensor] = {}
         for k, keys in enumerate(self.stage_keys):
             src = dist.get_global_rank(self.pp_group, k)

@@ -22,6 +22,8 @@ class PipelinePlan:
                     tensors' shapes (they travel point-to-point into preallocated buffers).
     batch_tensors   batch -> {name: tensor}, every tensor with the batch's items on dim 0
                     (micro-batches are cut along it; the criterion sees `batch[start:stop]`).
+                    Under row-sequence parallelism it is given this rank's rows of the batch
+                    (`shard_rows`), so a stage's row seams see local rows as without stages.
     output          the last stage's tensors -> what the criterion takes as the model output
                     (None: the tuple itself).
     """

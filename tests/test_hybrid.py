@@ -320,8 +320,7 @@ def check(ranks: list[dict], ref: dict, dp: int, mode: str = "eval") -> dict:
 def test_layout_checks_without_processes():
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp × sp × pp = 2 × 2 × 1 = 4"):
         _check_layout(6, 2, 2, 1, 0)
-    with pytest.raises(ValueError, match="pp_size=2 combines with data parallelism only"):
-        _check_layout(8, 1, 2, 2, 0)
+    assert _check_layout(8, 1, 2, 2, 0) == (1, 2, 2, 0)  # pp × sp (tests/test_pipeline.py)
     with pytest.raises(ValueError, match="zero_stage must be 0 .* got 1: .* use zero_stage=2"):
         _check_layout(4, 2, 1, 1, 1)
     assert _check_layout(8, 2, 2, 1, 2) == (2, 2, 1, 2)
@@ -396,7 +395,7 @@ def test_bf16_tracks_single_process_bf16(results_2, name):
 def test_bad_layouts_give_clear_errors(results_2):
     for errors in _get(results_2, "errors"):
         assert "world size 2 is not divisible by tp × sp × pp = 2 × 2 × 1 = 4" in errors["world"]
-        assert "pp_size=2 combines with data parallelism only" in errors["pp"]
+        assert "world size 2 is not divisible by tp × sp × pp = 1 × 2 × 2 = 4" in errors["pp"]
         assert "zero_stage must be 0" in errors["zero1"]
         assert "zero_stage must be 0" in errors["zero1_tp"] and "use zero_stage=2" in errors["zero1_tp"]
         assert "dp × sp = 1 × 1 = 1 rank" in errors["zero_nothing"]

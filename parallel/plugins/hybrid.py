@@ -14,8 +14,12 @@ Composition, in the torchtitan order, of what the model's `ParallelPlan` declare
     pipeline          (pp_size > 1) the model's layers are cut into pp stages, one per rank of
                       mesh["pp"], from the plan's `pipeline` (`parallel.pipeline`); training steps
                       run through `booster.execute_pipeline` (torch `Schedule1F1B` over
-                      `num_microbatches` micro-batches). Combines with dp (zero_stage 0) for
-                      now; with tp, sp or ZeRO it is refused.
+                      `num_microbatches` micro-batches). The other dimensions compose on each
+                      rank's stage modules as torchtitan does: tensor parallel on the stage's
+                      planned layers, row seams on the model's modules (rows are cut before the
+                      batch reaches the stages), then FSDP2 over dp × sp on each stage (ZeRO 2/3),
+                      whose gradients torch's PipelineStage reduces once per batch, after the
+                      last micro-batch. fp16 is refused under pp.
     data parallel     the remaining dp ranks see different batches. Gradients of every
                       parameter are summed over sp and averaged over dp: zero_stage=0 by a
                       bucketed all-reduce over the flattened dp×sp group after backward;
@@ -56,7 +60,13 @@ from ..pipeline import (
 from ..plan import ParallelPlan
 from ..plugin import Plugin
 from ..precision import MixedPrecision, local_shard
-from ..sequence_parallel import RowShardedCriterion, RowShardedModule, parallelize_rows, shard_rows
+from ..sequence_parallel import (
+    RowShardedCriterion,
+    RowShardedModule,
+    parallelize_rows,
+    shard_rows,
+    sync_rng_state,
+)
 from ..sharded_checkpoint import ShardedCheckpointIO
 from ..tensor_parallel import check_tp_layout, parallelize_tensor
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
@@ -68,7 +78,7 @@ from .zero import (
     rebuild_optimizer,
 )
 
-__all__ = ["HybridParallelPlugin", "hybrid_grad_norm"]
+__all__ = ["HybridParallelPlugin", "hybrid_grad_norm", "parallelize_stage_tensor"]
 
 
 def hybrid_grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -101,8 +111,8 @@ class HybridParallelPlugin(Plugin):
 
     tp_size      tensor-parallel ranks: attention heads and MLP width are split.
     sp_size      row-sequence-parallel ranks: every table's rows are split.
-    pp_size      pipeline stages: the model's layers are split into pp_size stages (with dp only,
-                 zero_stage 0, precision fp32 or bf16); train with `booster.execute_pipeline`.
+    pp_size      pipeline stages: the model's layers are split into pp_size stages (with dp, tp, sp
+                 and zero_stage 0/2/3; precision fp32 or bf16); train with `booster.execute_pipeline`.
     num_microbatches  micro-batches per batch under pp (default pp_size; at least pp_size; a
                  batch's size must be a multiple). Equivalent to gradient accumulation over them.
     stages_per_rank  pipeline stages each pp rank holds: 1 runs `Schedule1F1B`; v > 1 cuts the
@@ -274,10 +284,12 @@ class HybridParallelPlugin(Plugin):
     def _configure_pipeline(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, criterion: Any,
                             dataloader: Any, lr_scheduler: Any) -> tuple:
         """pp > 1: cut the model into stages (the plan's `pipeline`), keep this rank's, and drive
-        it with a `PipelineRunner`. Every check runs before the first collective. The whole
-        model is broadcast from rank 0 (every rank builds it), then each rank trains only its
-        stage: the optimizer is rebuilt over the stage's parameters, gradients are reduced
-        over dp, checkpoints hold each stage's tensors under the model's names."""
+        them with a `PipelineRunner`. Every check runs before the first collective. The whole
+        model is broadcast from rank 0 (every rank builds it); then, in the torchtitan order,
+        this rank's stages get tensor parallelism over tp, the model's row seams go over sp, and
+        the modules the PipelineStages run are sharded with FSDP2 over dp × sp (ZeRO 2/3). The
+        optimizer is rebuilt over the stage's parameters; checkpoints hold each stage's tensors
+        under the model's names."""
         plan = _plan_of(model, needed=True)
         if plan.pipeline is None:
             raise ValueError(f"pp_size={self.pp_size}: {type(model).__name__}.parallel_plan() declares no pipeline "
@@ -286,6 +298,7 @@ class HybridParallelPlugin(Plugin):
             raise ValueError("pp_size > 1 supports precision fp32 and bf16; fp16 loss scaling inside the pipeline "
                              "schedule is not implemented")
         check_pp_layout(plan.pipeline.n_layers, self.pp_size, self.num_microbatches, self.stages_per_rank)
+        tp_styles = check_tp_layout(model, plan, self.tp_size) if self.tp_size > 1 else {}
         stages = split_stages(model, plan.pipeline, self.pp_size * self.stages_per_rank)
         group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
         full_state = model.state_dict()
@@ -298,10 +311,18 @@ class HybridParallelPlugin(Plugin):
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
         mine = local_stages(stages, self.pp_rank, self.pp_size)
+        for part in mine if tp_styles else ():
+            self.tp_styles.update(parallelize_stage_tensor(part, self.tp_mesh, tp_styles))
+        if self.sp_size > 1:  # the stages hold the model's own modules: its seams are theirs
+            parallelize_rows(model, plan, self._group(self.sp_mesh))
         stage = merge_modules(mine)  # this rank's part of the model, under the model's names
-        pp_group = self._group(self.pp_mesh)
-        self._runner = PipelineRunner(mine, plan.pipeline, self.pp_rank, self.pp_size, pp_group, self.device,
-                                      self.num_microbatches, self.precision)
+        rows = RowShardedModule(stage, sp_group=self._group(self.sp_mesh), device=self.device)  # cuts rows
+        self._runner = PipelineRunner(mine, plan.pipeline, self.pp_rank, self.pp_size, self._group(self.pp_mesh),
+                                      self.device, self.num_microbatches, self.precision, shard_batch=rows.shard,
+                                      loss_scale=self.sp_size if self.zero_stage else 1)
+        if self.zero_stage:
+            for module in self._runner.modules:
+                self._fully_shard_stage(module, plan)
         self._params = [p for p in stage.parameters() if p.requires_grad]
         wrapped_optimizer = None
         if optimizer is not None:
@@ -309,8 +330,10 @@ class HybridParallelPlugin(Plugin):
             group_names = [[n for n in names if n in own] for names in group_names]
             self._param_names = [n for names in group_names for n in names]
             wrapped_optimizer = self.wrap_optimizer(rebuild_optimizer(stage, optimizer, group_names, lr_scheduler))
-        self._checkpoint_io = PipelineCheckpointIO(stage_keys, key_meta, self.pp_rank, pp_group, self.device,
-                                                   fallback=FullStateFSDPCheckpointIO(self))
+        if criterion is not None and self.sp_size > 1:
+            criterion = RowShardedCriterion(criterion, rows, count=self.loss_count)
+        self._checkpoint_io = PipelineCheckpointIO(stage_keys, key_meta, self.pp_rank, self._group(self.pp_mesh),
+                                                   self.device, fallback=FullStateFSDPCheckpointIO(self))
         return (self.wrap_model(stage, PipelineOnlyModule(stage)), wrapped_optimizer, criterion, dataloader,
                 lr_scheduler)
 
@@ -321,14 +344,17 @@ class HybridParallelPlugin(Plugin):
         accumulation over `num_microbatches` equal micro-batches; then, outside `no_sync`, the
         gradient all-reduce over dp. `optimizer.step()` stays the caller's. Returns "loss" (the
         mean micro-batch loss, on every rank) when `return_loss`, "metrics" (the criterion's,
-        averaged over micro-batches), and "outputs" (last stage only) when `return_outputs`."""
+        averaged over micro-batches), and "outputs" (last stage only; under sp they refer to this
+        rank's rows, as `shard_batch` gives them) when `return_outputs`."""
         if self._runner is None:
             raise RuntimeError(f"execute_pipeline needs pp_size > 1 and a boosted model (pp_size={self.pp_size}); "
                                "with pp_size=1 call the model and booster.backward() directly")
         if not isinstance(model, ModelWrapper) or not isinstance(model.module, PipelineOnlyModule):
             raise ValueError("execute_pipeline: pass the model booster.boost() returned")
+        if self.rng_mesh is not None and model.training:  # tp / sp peers draw the same identities
+            sync_rng_state(self._group(self.rng_mesh), self.device)
         result = self._runner.run(next(data_iter), criterion, return_outputs=return_outputs)
-        if self._syncing:
+        if self._syncing and not self.zero_stage:  # FSDP2 stages reduced theirs in the schedule
             self._all_reduce_grads()
         if not return_loss:
             result["loss"] = None
@@ -339,7 +365,32 @@ class HybridParallelPlugin(Plugin):
         the group; `backward` scales the loss by sp so that they are summed over sp (its ranks
         hold parts of one batch's gradient) and averaged over dp. (A gradient divide factor
         would say the same, but gloo lacks the PREMUL_SUM it needs.)"""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs = self._fully_shard_kwargs(model)
+        for _, block in _resolve_blocks(model, plan.blocks):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        self._fsdp_module = model
+
+    def _fully_shard_stage(self, module: nn.Module, plan: ParallelPlan) -> None:
+        """FSDP2 over dp × sp on one module a PipelineStage runs: the planned blocks it holds,
+        then the module itself as the root (torch's stage recognises an FSDP root: it keeps
+        gradients unreduced across micro-batches and reduce-scatters them after the last one).
+        The pipeline runner scales the loss by sp, as `backward` does without stages."""
+        from torch.distributed.fsdp import fully_shard
+
+        kwargs = self._fully_shard_kwargs(module)
+        for name in plan.blocks:
+            block = _find_submodule(module.stage, name)
+            if block is not None:
+                fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+
+    def _fully_shard_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        """fully_shard's arguments: the dp × sp mesh, resharding after forward under ZeRO-3 only,
+        the compute dtype as parameter dtype with fp32 reductions, empty parameters ignored."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kwargs: dict[str, Any] = {"mesh": self.grad_mesh, "reshard_after_forward": self.zero_stage == 3}
         compute = self.precision.torch_dtype
@@ -348,10 +399,7 @@ class HybridParallelPlugin(Plugin):
         empty = {p for p in model.parameters() if p.numel() == 0}
         if empty:
             kwargs["ignored_params"] = empty
-        for _, block in _resolve_blocks(model, plan.blocks):
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        self._fsdp_module = model
+        return kwargs
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerWrapper:
         return OptimizerWrapper(optimizer, scaler=self.precision.make_scaler(), grad_norm_fn=self.grad_norm,
@@ -399,6 +447,11 @@ class HybridParallelPlugin(Plugin):
     def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> Iterator[None]:
         """Backward passes inside accumulate local gradients without reducing them; the first
         backward outside reduces the accumulated sum."""
+        if self.zero_stage and self._runner is not None:
+            raise RuntimeError("no_sync() under pp_size > 1 with zero_stage 2/3 is not supported: torch's "
+                               "PipelineStage reduce-scatters FSDP gradients at the end of every "
+                               "execute_pipeline call. Accumulate by calling execute_pipeline repeatedly without "
+                               "no_sync (the sharded gradients add up), or raise num_microbatches")
         if self.zero_stage:
             if self._fsdp_module is None:
                 raise RuntimeError("no_sync() before boost(): there is no FSDP module yet")
@@ -454,9 +507,6 @@ def _check_layout(world: int, tp: int, sp: int, pp: int, zero_stage: int) -> tup
                          "row-sequence parallelism; here use zero_stage=2 (gradients and optimizer state sharded)")
     if zero_stage not in (0, 2, 3):
         raise ValueError(f"zero_stage must be 0 (replicated), 2 or 3 (FSDP2 over dp × sp), got {zero_stage!r}")
-    if pp > 1 and (tp > 1 or sp > 1 or zero_stage):
-        raise ValueError(f"pp_size={pp} combines with data parallelism only for now (zero_stage=0): got "
-                         f"tp_size={tp}, sp_size={sp}, zero_stage={zero_stage}")
     if world % (tp * sp * pp):
         raise ValueError(f"world size {world} is not divisible by tp × sp × pp = {tp} × {sp} × {pp} = {tp * sp * pp} "
                          f"(dp = world / (tp × sp × pp) must be a whole number)")
@@ -476,6 +526,29 @@ def _check_microbatches(pp: int, num_microbatches: int | None) -> int:
         raise ValueError(f"the 1F1B schedule needs at least one micro-batch per stage: num_microbatches="
                          f"{num_microbatches} < pp_size={pp}")
     return num_microbatches
+
+
+def parallelize_stage_tensor(stage: nn.Module, tp_mesh: Any, styles: dict[str, str]) -> dict[str, str]:
+    """Tensor parallelism on one pipeline stage: the layers of `styles` (resolved and checked on
+    the whole model by `check_tp_layout`) that the stage holds, under the same names (a stage
+    keeps the model's), become DTensor colwise / rowwise shards over `tp_mesh`. Their inputs and
+    outputs stay plain tensors, so the activations the stages exchange are whole. Returns the
+    styles applied."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    held = {name: style for name, style in styles.items() if _find_submodule(stage, name) is not None}
+    make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if held:
+        parallelize_module(stage, tp_mesh, {name: make[style]() for name, style in held.items()})
+    return held
+
+
+def _find_submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """`module.get_submodule(name)`, or None when it does not hold one by that name."""
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _plan_of(model: nn.Module, needed: bool) -> ParallelPlan:

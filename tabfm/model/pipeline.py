@@ -13,7 +13,9 @@ dim 0 and shapes fixed by the batch's shape:
                                             at random in train mode, so not recomputable)
 
 The last stage returns the fields of `ModelOutput` (`model_output` rebuilds it). The forward of
-the stages in sequence equals `TabFM.forward` (`tests/test_pipeline.py` checks it).
+the stages in sequence equals `TabFM.forward` (`tests/test_pipeline.py` checks it). Under tp, sp
+and ZeRO the same stages run unchanged: the engine splits their planned layers, hands them this
+rank's rows of the batch, and shards their parameters.
 """
 from __future__ import annotations
 
