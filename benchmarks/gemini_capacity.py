@@ -21,7 +21,8 @@ on host; disk: params on host, state on disk) relative to all-device, and with p
     python benchmarks/gemini_capacity.py            # 256 MiB device budget, d=1024
     python benchmarks/gemini_capacity.py --quick    # 16 MiB, d=256: seconds
     python benchmarks/gemini_capacity.py --precision-layers 7   # only: fp32 vs bf16 vs fp16 chunks, 7 layers
-Writes benchmarks/results/gemini_capacity.json.
+    python benchmarks/gemini_capacity.py --two-ranks 7 --d 512  # only: 2 ranks (gloo) vs 1, 7 layers
+Writes benchmarks/results/gemini_capacity.json (gemini_precision.json, gemini_two_ranks.json).
 """
 from __future__ import annotations
 
@@ -115,6 +116,57 @@ def run(cfg: dict, d: int, layers: int, budget: int, steps: int, batch: int) -> 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _rank_worker(rank: int, world: int, port: int, cfg: dict, d: int, layers: int, budget: int, steps: int,
+                 batch: int, queue) -> None:
+    """One rank of the 2-rank row: join a gloo group, train with each chunk sharded over the ranks."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, run(cfg, d, layers, budget, steps, batch // world)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(cfg: dict, d: int, layers: int, budget: int, steps: int, batch: int, world: int = 2) -> list[dict]:
+    """`run` on `world` gloo processes (the same global batch, split over them); one result per rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_worker, args=(r, world, port, cfg, d, layers, budget, steps, batch, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(world)]
+
+
+def two_rank_rows(d: int, layers: int, budget: int, steps: int, batch: int) -> list[dict]:
+    """Step time and per-rank peak device bytes at 2 ranks vs 1, same model and global batch,
+    for all-on-device and everything-on-host placements."""
+    rows = []
+    for mode in ("all-device", "host"):
+        one = run(MODES[mode], d, layers, budget, steps, batch)
+        two = run_ranks(MODES[mode], d, layers, budget, steps, batch)
+        step2 = max(r["step_s"] for r in two)
+        rows.append({"mode": mode, "layers": layers, "step_s_1rank": one["step_s"], "step_s_2ranks": step2,
+                     "step_rel": step2 / one["step_s"], "peak_device_mib_1rank": one["peak_device_bytes"] / MiB,
+                     "peak_device_mib_per_rank": max(r["peak_device_bytes"] for r in two) / MiB})
+    return rows
+
+
 def precision_rows(d: int, layers: int, budget: int, steps: int, batch: int, out: str | None) -> None:
     """Step time and peak device bytes of fp32 vs bf16 vs fp16 compute copies (fp32 masters and
     AdamW state either way), all on device and with everything on host."""
@@ -146,6 +198,8 @@ def main() -> None:
     ap.add_argument("--no-verify", action="store_true", help="skip the one-step run at each capacity")
     ap.add_argument("--out", default=None, help="default: results/gemini_capacity.json "
                     "(results/gemini_precision.json with --precision-layers)")
+    ap.add_argument("--two-ranks", type=int, default=None, metavar="LAYERS",
+                    help="only: step time and per-rank peak device bytes at 2 ranks (gloo) vs 1, this many layers")
     ap.add_argument("--precision-layers", type=int, default=None,
                     help="only time fp32 vs bf16 vs fp16 compute copies at this many layers (no capacity search)")
     args = ap.parse_args()
@@ -156,6 +210,20 @@ def main() -> None:
     steps = args.steps or (3 if args.quick else 4)
     batch = 32
     per_layer = 16 * (d * d + d)
+    if args.two_ranks:
+        rows = two_rank_rows(d, args.two_ranks, budget, steps, batch)
+        print(f"Linear({d},{d}) x {args.two_ranks}, global batch {batch}, budget {budget / MiB:.0f} MiB, 1 thread "
+              f"per rank, best of {steps - 1} timed steps (2 ranks: the slower rank)")
+        for r in rows:
+            print(f"{r['mode']:<11} 1 rank {r['step_s_1rank']:.3f} s  2 ranks {r['step_s_2ranks']:.3f} s "
+                  f"({r['step_rel']:.2f}x)  peak device {r['peak_device_mib_1rank']:.1f} MiB -> "
+                  f"{r['peak_device_mib_per_rank']:.1f} MiB per rank")
+        path = Path(args.out or RESULTS / "gemini_two_ranks.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"d": d, "layers": args.two_ranks, "batch": batch, "device_budget_bytes": budget,
+                                    "torch": torch.__version__, "rows": rows}, indent=1))
+        print(f"wrote {path}")
+        return
     if args.precision_layers:
         precision_rows(d, args.precision_layers, budget, steps, batch, args.out)
         return
@@ -185,7 +253,7 @@ def main() -> None:
 
     # auto placement at the same size and budget: params homed on host, the budget (minus the
     # activations measured in the warm-up step) a farthest-next-use cache with prefetch
-    auto = run(dict(placement="auto", offload_optim_frac=1.0), d, n_time, budget, steps, batch)
+    auto = run(dict(placement="auto"), d, n_time, budget, steps, batch)
     auto_row = {"mode": "auto", "timed_layers": n_time, "step_s": auto["step_s"], "step_rel": auto["step_s"] / base,
                 "timed_peak_device_mib": auto["peak_device_bytes"] / MiB, "prefetch_hits": auto["prefetch_hits"],
                 "non_model_mib": auto["non_model_bytes"] / MiB}

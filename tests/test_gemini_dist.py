@@ -27,7 +27,7 @@ STEPS, CUT = 6, 3
 HALF = dict(shard_param_frac=0.5, offload_param_frac=0.25, disk_optim_frac=0.25)
 DIST_CONFIGS = {"all_device": CONFIGS["all_device"], "mix": CONFIGS["mix"],
                 "params_host_optim_device": CONFIGS["params_host_optim_device"],
-                "auto": dict(placement="auto", offload_optim_frac=0.5),
+                "auto": dict(placement="auto", disk_optim_frac=0.5),
                 "shard_half": HALF,
                 "replicated": dict(shard_param_frac=0.0, offload_param_frac=0.5, disk_optim_frac=0.5)}
 
@@ -92,8 +92,9 @@ def worker(rank: int, world: int, ckpt_root: str) -> dict:
             meta = make_model()
         est = probe.estimate(meta, make_opt(meta))
         if cfg.get("placement") == "auto":  # budget: what static needs + the activations auto measures
-            train_dist(probe_booster, probe_model, probe_opt, 1, rank, world)
-            est["device_bytes"] += probe.manager.non_model_bytes
+            train_dist(probe_booster, probe_model, probe_opt, 1, rank, world)  # + a prefetched copy + 2 chunks'
+            c0 = probe.manager.chunks[0]                                        # optimizer state shards
+            est["device_bytes"] += probe.manager.non_model_bytes + c0.compute_nbytes + 2 * 2 * c0.shard_nbytes
         probe.close()
         plugin, booster, m, model, opt = gemini_run(budget=est["device_bytes"], **cfg)
         losses, norms = train_dist(booster, model, opt, STEPS, rank, world)
@@ -195,13 +196,16 @@ def test_two_ranks_match_single_process_reference(dist_results, ref, name):
         assert rep["fetches"] > 0 and rep["cached_chunks"] == 0
         if name == "auto":
             assert rep["non_model_bytes"] > 0 and rep["prefetch_hits"] > 0
+            n, n_disk = rep["n_chunks"], round(0.5 * rep["n_chunks"])  # the first two disk chunks' state moved
+            assert rep["optim_tiers"] == ["host"] * (n - n_disk) + ["device"] * 2 + ["disk"] * (n_disk - 2), (rep, run["estimate"])
     one_rank = GeminiPlugin(chunk_size=2048, **DIST_CONFIGS[name])
-    if name == "auto":
-        one_rank = GeminiPlugin(chunk_size=2048, offload_param_frac=1.0, offload_optim_frac=0.5)
     with torch.device("meta"):
         meta = make_model()
     two, one = results[0]["runs"][name]["estimate"]["device_resident_bytes"], \
         one_rank.estimate(meta, make_opt(meta))["device_resident_bytes"]
+    if name == "auto":  # after the warm-up: 2 chunks' optimizer state, half of each chunk per rank
+        rep = results[0]["runs"][name]["report"]
+        two, one = rep["device_resident_bytes"] - rep["non_model_bytes"], 2 * 2 * rep["chunk_size"] * 4
     if name == "replicated":  # every rank keeps every resident chunk whole
         assert two == one
     elif name == "shard_half":  # whole replicated chunks, halves of the sharded ones

@@ -45,8 +45,10 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def probe(precision: str, keep_released_copies: bool) -> dict:
-    """Runs in the child: two warm-up steps, then one measured forward + backward."""
+def probe(precision: str, keep_released_copies: bool, placement: str = "static") -> dict:
+    """Runs in the child: two warm-up steps, then one measured forward + backward. `auto`: the
+    budget also has room for a prefetched copy and two chunks' optimizer state (plus 1 MiB for
+    the measured activations), which the placement moves to device after its warm-up."""
     import torch
     from torch import nn
 
@@ -56,9 +58,14 @@ def probe(precision: str, keep_released_copies: bool) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
     cfg = dict(chunk_size=D * D + D, offload_param_frac=1.0, offload_optim_frac=1.0, precision=precision)
+    if placement == "auto":
+        cfg = dict(chunk_size=D * D + D, placement="auto", precision=precision)
     with torch.device("meta"):
         meta = nn.Sequential(*[nn.Linear(D, D) for _ in range(LAYERS)])
-    budget = GeminiPlugin(**cfg).estimate(meta, torch.optim.AdamW(meta.parameters()))["device_bytes"]
+    est = GeminiPlugin(**cfg).estimate(meta, torch.optim.AdamW(meta.parameters()))
+    budget = est["device_bytes"]
+    if placement == "auto":
+        budget += est["largest_fetch_bytes"] + 2 * 2 * (D * D + D) * 4 + (1 << 20)
     plugin = GeminiPlugin(device_budget_bytes=budget, **cfg)
     booster = Booster(plugin)
     wrapped, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -80,15 +87,15 @@ def probe(precision: str, keep_released_copies: bool) -> dict:
     forward_backward()
     out = {"measured": _status("VmHWM") - before_rss, "accounted": m.budget.peak_bytes - before_dev,
            "fetch_bytes": m.report()["fetch_bytes"], "fetches": m.fetches, "budget": budget,
-           "peak": m.budget.peak_bytes}
+           "peak": m.budget.peak_bytes, "device_optim_chunks": m.report()["device_optim_chunks"]}
     plugin.close()
     return out
 
 
-def run_probe(precision: str, keep_released_copies: bool = False) -> dict:
+def run_probe(precision: str, keep_released_copies: bool = False, placement: str = "static") -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, __file__, precision, str(int(keep_released_copies))], env=env,
+    proc = subprocess.run([sys.executable, __file__, precision, str(int(keep_released_copies)), placement], env=env,
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -106,10 +113,21 @@ def test_device_accounting_matches_process_memory(precision):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
+def test_auto_placement_with_device_optimizer_state_matches_process_memory():
+    """Auto: two chunks' optimizer state moved into the budget, the rest a prefetching cache."""
+    r = run_probe("fp32", placement="auto")
+    assert r["device_optim_chunks"] == 2
+    assert r["peak"] <= r["budget"]
+    assert r["accounted"] >= 2 * r["fetch_bytes"]
+    assert abs(r["measured"] - r["accounted"]) <= SLACK, r
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
 def test_cross_check_catches_copies_the_accounting_misses():
     r = run_probe("bf16", keep_released_copies=True)
     assert r["measured"] - r["accounted"] > SLACK + r["fetch_bytes"], r  # several released copies still alive
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe(sys.argv[1], bool(int(sys.argv[2])))))
+    print(json.dumps(probe(sys.argv[1], bool(int(sys.argv[2])), sys.argv[3])))

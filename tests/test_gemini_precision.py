@@ -131,7 +131,7 @@ def train_low(booster, m, model, opt, steps: int = 5, clip: float = 0.5, inject:
 
 
 LOW_CONFIGS = {"all_device": CONFIGS["all_device"], "mix": CONFIGS["mix"],
-               "auto": dict(placement="auto", offload_optim_frac=0.5, disk_optim_frac=0.5)}
+               "auto": dict(placement="auto", disk_optim_frac=0.5)}
 
 
 @pytest.mark.parametrize("config", list(LOW_CONFIGS))

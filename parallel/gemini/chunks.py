@@ -226,6 +226,7 @@ class ChunkManager:
         self.reduce_scatters = 0
         self.all_reduces = 0
         self.non_model_bytes = 0  # reserved after an auto warm-up: activations saved for backward
+        self.param_cache_bytes = 0  # auto: device bytes kept free for fetched copies (not given to optimizer state)
         S = self.chunk_size // world
         for name, p, group in named_params:
             if p.dtype != torch.float32:
@@ -301,6 +302,35 @@ class ChunkManager:
     @staticmethod
     def disk_key(c: Chunk) -> str:
         return f"chunk{c.index:05d}-optim"
+
+    def move_optim(self, c: Chunk, tier: str) -> None:
+        """Move a chunk's Adam state shards (exp_avg, exp_avg_sq) to `tier`, values kept: entering
+        the device tier reserves their bytes (refused if the budget cannot hold them), leaving it
+        releases them; disk state is read back (and its files removed) or written out. Used by
+        the auto placement after its warm-up step."""
+        if tier not in ("device", "host", "disk"):
+            raise ValueError(f"optimizer tier {tier!r}: expected 'device', 'host' or 'disk'")
+        if tier == c.optim_tier:
+            return
+        if tier == "disk" and self.disk is None:
+            raise RuntimeError(f"chunk {c.index}: no disk store to move optimizer state to")
+        nbytes = 2 * c.shard_nbytes
+        if tier == "device":
+            self.budget.reserve(nbytes, f"chunk {c.index} optimizer state (moved to device by auto placement)")
+        if c.optim_tier == "disk":
+            buf = self.disk.read(self.disk_key(c)).result()
+            self.disk.remove(self.disk_key(c)).result()
+            exp_avg, exp_avg_sq = buf[:c.shard_size], buf[c.shard_size:]
+        else:
+            exp_avg, exp_avg_sq = c.exp_avg, c.exp_avg_sq
+        if c.optim_tier == "device":
+            self.budget.release(nbytes)
+        if tier == "disk":
+            self.disk.write(self.disk_key(c), torch.cat([exp_avg, exp_avg_sq])).result()
+            c.exp_avg = c.exp_avg_sq = None
+        else:  # a fresh buffer in the new tier (on CUDA this would be the host <-> device copy)
+            c.exp_avg, c.exp_avg_sq = exp_avg.clone(), exp_avg_sq.clone()
+        c.optim_tier = tier
 
     @staticmethod
     def _released_view(c: Chunk, t: TensorInfo) -> torch.Tensor:
@@ -555,6 +585,8 @@ class ChunkManager:
             "device_resident_bytes": self.budget.resident_bytes,
             "device_peak_bytes": self.budget.peak_bytes,
             "non_model_bytes": self.non_model_bytes,
+            "param_cache_bytes": self.param_cache_bytes,
+            "device_optim_chunks": sum(c.optim_tier == "device" for c in self.chunks),
             "fetches": self.fetches,
             "evictions": self.evictions,
             "prefetches": self.prefetches,

@@ -20,6 +20,7 @@ the model. Autocast (the ModelWrapper's) still runs its fp32 ops (softmax, losse
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -47,19 +48,46 @@ def grad_landing_bytes(params: list[nn.Parameter], dtype: torch.dtype) -> int:
 
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a module output: nested in tuples, lists, dicts and dataclasses (a model's
+    output record), so a backward through any of them marks the module's backward start."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
         return [t for v in obj.values() for t in _tensors_in(v)]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors_in(v)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
     return []
 
 
-class ChunkHooks:
-    """Module and parameter hooks of one model over one ChunkManager."""
+def hook_units(model: nn.Module, tensors: Any, blocks: list[str] | None = None) -> dict[nn.Module, list[nn.Parameter]]:
+    """Which module's hooks fetch which parameters (those in `tensors`), in model order.
 
-    def __init__(self, model: nn.Module, manager: ChunkManager) -> None:
+    Each module fetches its own parameters, except that when the model names its blocks (its
+    `parallel_plan().blocks`, as FSDP's units), every parameter outside the blocks is fetched by
+    the root module for its whole forward and backward, as FSDP2's root unit holds them. A model
+    may call such modules through methods other than `forward` (an encoder's `embed`), which
+    module hooks do not see; the root's forward covers them."""
+    under_blocks: set = set()
+    for name in blocks or []:
+        under_blocks |= set(model.get_submodule(name).parameters())
+    units: dict[nn.Module, list[nn.Parameter]] = {}
+    seen: set = set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p not in tensors or p in seen:
+                continue
+            seen.add(p)
+            owner = module if not blocks or p in under_blocks else model
+            units.setdefault(owner, []).append(p)
+    return {m: units[m] for m in model.modules() if m in units}
+
+
+class ChunkHooks:
+    """Module and parameter hooks of one model over one ChunkManager (fetch units: `hook_units`)."""
+
+    def __init__(self, model: nn.Module, manager: ChunkManager, blocks: list[str] | None = None) -> None:
         self.manager = manager
         self.handles: list[Any] = []
         self.owner: dict[nn.Parameter, nn.Module] = {}
@@ -69,10 +97,7 @@ class ChunkHooks:
         self.pending: dict[nn.Module, set] = {}
         self.landing_bytes: dict[nn.Module, int] = {}  # a module's gradients as autograd hands them over
         self._callback_queued = False
-        for module in model.modules():
-            params = [p for p in module.parameters(recurse=False) if p in manager.tensors and p not in self.owner]
-            if not params:
-                continue
+        for module, params in hook_units(model, manager.tensors, blocks).items():
             for p in params:
                 self.owner[p] = module
             chunks: list[Chunk] = []

@@ -135,6 +135,7 @@ class GeminiOptimizer(OptimizerWrapper):
         if args or kwargs:
             raise TypeError("GeminiOptimizer.step takes no closure")
         self.last_step_skipped = False
+        self.optim._opt_called = True  # the chunks step instead of the inner optimizer: tell lr schedulers a step ran
         if self.on_step is not None:
             self.on_step()
         self.manager.flush()

@@ -10,6 +10,13 @@ ahead (Belady's rule; never used again counts as infinitely far), and after each
 next `prefetch_depth` chunks of the schedule are fetched while there is room (or a copy needed
 later than them can make room). The schedule only steers choices: an acquire off the schedule
 is served like any other, so results never depend on it.
+
+Optimizer state under auto (`device_optim_chunks`): every chunk's Adam state starts off device
+(on disk for the last `disk_optim_frac` of the chunks, on host for the others). When the warm-up
+ends, the device bytes left over (budget - resident - measured activations - the parameter
+cache the schedule needs) take the optimizer state of as many chunks as fit: disk chunks first
+(their step would stream from disk), then host chunks, each group in step order (chunk index).
+Where state lives never changes what the step computes, only where it runs.
 """
 from __future__ import annotations
 
@@ -97,6 +104,23 @@ class AutoPolicy(LRUPolicy):
                 if len(out) == self.prefetch_depth:
                     break
         return out
+
+
+def device_optim_chunks(chunks: list, free_bytes: int | None) -> list:
+    """The chunks (off-device optimizer state) whose Adam state fits into `free_bytes` of the
+    device tier (None: unbounded), costliest tier first (disk, then host), then in step order.
+    A chunk's state costs 2 shards of fp32 (exp_avg + exp_avg_sq); the first that does not fit
+    ends the choice, so the chosen chunks are a prefix of that order."""
+    rank = {"disk": 0, "host": 1}
+    order = sorted((c for c in chunks if c.optim_tier in rank), key=lambda c: (rank[c.optim_tier], c.index))
+    chosen, left = [], free_bytes
+    for c in order:
+        cost = 2 * c.shard_nbytes
+        if left is not None and cost > left:
+            break
+        chosen.append(c)
+        left = None if left is None else left - cost
+    return chosen
 
 
 def belady_fetches(trace: list[int], capacity: int) -> int:

@@ -13,7 +13,9 @@ the device tier before a module runs forward or backward and release it afterwar
 are reduce-scattered per chunk; the optimizer (`optim.py`, torch Adam/AdamW, fp32) steps each
 rank's shards in the tier where their state lives. Placement is `static` (fractions) or `auto`
 (`placement.py`: a warm-up step records the chunk order and the activation bytes; afterwards
-the budget minus those bytes is a cache managed by farthest-next-use eviction with prefetch).
+the budget minus those bytes holds the optimizer state of as many chunks as fit beside the
+parameter cache the schedule needs, and that cache is managed by farthest-next-use eviction
+with prefetch).
 Checkpoints go through the layout-free DCP checkpoint IO (`checkpoint_io.py`): Gemini, FSDP,
 DDP, ZeRO and single-process runs resume each other's at any world size.
 
@@ -42,9 +44,10 @@ from ..wrappers import ModelWrapper, OptimizerWrapper
 from .checkpoint_io import GeminiCheckpointIO
 from .chunks import ChunkManager
 from .comm import ShardComm
-from .hooks import ChunkHooks, GeminiModule, grad_landing_bytes
+from ..plugins.fsdp import plan_blocks
+from .hooks import ChunkHooks, GeminiModule, hook_units
 from .optim import GeminiOptimizer
-from .placement import AutoPolicy, LRUPolicy
+from .placement import AutoPolicy, LRUPolicy, device_optim_chunks
 from .tiers import DeviceBudget, DeviceBudgetError, DiskStore
 
 __all__ = ["GeminiOptimizer", "GeminiPlugin"]
@@ -59,14 +62,22 @@ class GeminiPlugin(Plugin):
                          LRU) records the order chunks are used in and the activation bytes saved
                          for backward; those bytes are then reserved, and chunks are evicted
                          farthest-next-use first and prefetched `prefetch_depth` ahead.
-                         Optimizer-state fractions apply to both.
+                         Optimizer state starts off device (host; disk for the last
+                         `disk_optim_frac` of the chunks); at the end of the warm-up the bytes
+                         the budget has left after the activations and the parameter cache the
+                         schedule needs (`param_cache_bytes`: the largest module's backward
+                         working set plus `prefetch_depth` copies, or one step copy) take the
+                         optimizer state of as many chunks as fit, disk chunks first, then host,
+                         in step order (`placement.device_optim_chunks`).
     device_budget_bytes  bytes the device tier may hold (resident shards + fetched copies +
                          gradient buffers [+ auto: measured activations]); None: unbounded (still
                          accounted).
     offload_param_frac   static: fraction of chunks (the last ones) whose params + grads live on
                          host and are fetched into the device tier only while their modules run.
-    offload_optim_frac   fraction of chunks whose Adam state lives on host (stepped there).
-    disk_optim_frac      fraction of chunks (the last ones) whose Adam state lives on disk.
+    offload_optim_frac   static: fraction of chunks whose Adam state lives on host (stepped
+                         there). auto: must be 0 (the budget decides).
+    disk_optim_frac      fraction of chunks (the last ones) whose Adam state lives on disk (auto:
+                         unless the budget has room for it on device).
     disk_dir             where the disk tier puts its files (a fresh subdirectory per process,
                          removed at close/exit); None: a temporary directory.
     chunk_size           elements per chunk; None: chosen to minimise padding (rounded up to a
@@ -101,6 +112,10 @@ class GeminiPlugin(Plugin):
             raise ValueError(f"placement={placement!r}: expected 'static' or 'auto'")
         if placement == "auto" and offload_param_frac:
             raise ValueError("placement='auto' decides where parameters live; leave offload_param_frac at 0")
+        if placement == "auto" and offload_optim_frac:
+            raise ValueError("placement='auto' decides where optimizer state lives (the device bytes left after the "
+                             "warm-up step, the rest on host); leave offload_optim_frac at 0 (disk_optim_frac picks "
+                             "the chunks whose state falls back to disk instead of host)")
         if placement == "auto" and shard_param_frac != 1.0:
             raise ValueError("placement='auto' shards every chunk; shard_param_frac is for placement='static'")
         for name, frac in (("offload_param_frac", offload_param_frac), ("offload_optim_frac", offload_optim_frac),
@@ -117,7 +132,7 @@ class GeminiPlugin(Plugin):
         self.placement = placement
         self.device_budget_bytes = device_budget_bytes
         self.offload_param_frac = 1.0 if placement == "auto" else offload_param_frac
-        self.offload_optim_frac = offload_optim_frac
+        self.offload_optim_frac = 1.0 if placement == "auto" else offload_optim_frac  # auto: starts off device
         self.disk_optim_frac = disk_optim_frac
         self.shard_param_frac = shard_param_frac
         self.disk_dir = disk_dir
@@ -161,7 +176,7 @@ class GeminiPlugin(Plugin):
         if self.manager is not None:
             raise RuntimeError("a GeminiPlugin manages one model; make a new plugin for another")
         manager = self._plan(model, optimizer)
-        hooks = ChunkHooks(model, manager)
+        hooks = ChunkHooks(model, manager, plan_blocks(model))
         need = self.estimate(model, optimizer, manager=manager)
         if self.device_budget_bytes is not None and need["device_bytes"] > self.device_budget_bytes:
             hooks.remove()
@@ -217,7 +232,29 @@ class GeminiPlugin(Plugin):
         self.module.measure = False
         self.manager.reserve(nbytes, "non-model memory (activations saved for backward, measured in the warm-up step)")
         self.manager.non_model_bytes = nbytes
+        self._place_optimizer_state()
         policy.end_warmup()
+
+    def param_cache_bytes(self) -> int:
+        """Auto: device bytes the recorded schedule needs for parameters after the warm-up: the
+        largest module's backward working set (its fetched copies, its fresh gradients, gradient
+        buffers) plus `prefetch_depth` fetched copies ahead of it, or, during the optimizer step,
+        the copy of one host chunk's master + gradient next to its device optimizer state."""
+        m = self._boosted()
+        est = self.estimate(self.module.module, self.optimizer.optim, manager=m)
+        fetch = max(c.compute_nbytes for c in m.chunks)
+        step_copy = max(2 * c.shard_nbytes for c in m.chunks)
+        return max(est["module_working_bytes"] + self.prefetch_depth * fetch, step_copy)
+
+    def _place_optimizer_state(self) -> None:
+        """Auto, end of warm-up: move the optimizer state of as many chunks as the budget's
+        leftover holds into the device tier (after the activations are reserved)."""
+        m = self.manager
+        m.param_cache_bytes = self.param_cache_bytes()
+        budget = m.budget.budget_bytes
+        free = None if budget is None else budget - m.budget.resident_bytes - m.param_cache_bytes
+        for c in device_optim_chunks(m.chunks, free):
+            m.move_optim(c, "device")
 
     # --- sizing ----------------------------------------------------------------------------------
     def estimate(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -231,11 +268,11 @@ class GeminiPlugin(Plugin):
         manager = manager if manager is not None else self._plan(model, optimizer)
         resident = manager.resident_bytes_needed()
         fetch, landing, module_bwd, grad_bufs = 0, 0, 0, 0
-        for module in model.modules():
-            params = [p for p in module.parameters(recurse=False) if p in manager.tensors]
+        for module, params in hook_units(model, manager.tensors, plan_blocks(model)).items():
             chunks = {manager.tensors[p].chunk.index: manager.tensors[p].chunk for p in params}
             here = sum(c.compute_nbytes for c in chunks.values() if c.needs_fetch)
-            grads = grad_landing_bytes(params, manager.compute_dtype)
+            # sizes from the chunk records: a boosted sharded model's parameters are empty between uses
+            grads = sum(manager.tensors[p].numel for p in params if p.requires_grad) * manager.compute_dtype.itemsize
             fetch, landing = max(fetch, here), max(landing, grads)
             module_bwd = max(module_bwd, here + grads)  # a module's backward: its copies + its fresh grads
             if manager.comm.world > 1:  # the module's chunks plus the one before them may be partial
@@ -251,6 +288,7 @@ class GeminiPlugin(Plugin):
             "device_bytes": resident + working,
             "device_resident_bytes": resident,
             "device_working_bytes": working,
+            "module_working_bytes": module_bwd + grad_bufs,
             "largest_fetch_bytes": fetch,
             "grad_landing_bytes": landing,
             "grad_buffer_bytes": grad_bufs,

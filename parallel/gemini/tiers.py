@@ -141,6 +141,13 @@ class DiskStore:
     def read(self, key: str) -> Future:
         return self._pool.submit(self._read, key)
 
+    def remove(self, key: str) -> Future:
+        """Delete a key's files (after its state moved to another tier); queued behind pending IO."""
+        def _remove() -> None:
+            for path in (self.path(key), self.root / f"{key}.json"):
+                path.unlink(missing_ok=True)
+        return self._pool.submit(_remove)
+
     def files(self) -> list[Path]:
         return sorted(self.root.glob("*.bin")) if self.root.exists() else []
 

@@ -4,6 +4,7 @@ One process:           tabfm pretrain --preset tiny --out runs/tiny
 From a table store:    tabfm pretrain --preset tiny --data corpus/ --out runs/tiny-corpus
 N processes (torchrun): torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin ddp --out runs/tiny
 Long tables (tp x sp): torchrun --nproc_per_node 4 -m tabfm.cli pretrain --plugin hybrid --tp 2 --sp 2 --out runs/t
+Under a device budget: tabfm pretrain --plugin gemini --gemini-budget-mib 64 --gemini-placement auto --out runs/g
 
 Each data-parallel rank trains on its own batches of the stream's cells_per_batch cells, so the
 global batch is N times the single-process one; logged cells/s are global, losses rank averages.
@@ -20,7 +21,7 @@ import gc
 import traceback
 from typing import TYPE_CHECKING
 
-from tabfm.train.config import PRECISIONS, PRETRAIN_PLUGINS, PretrainConfig
+from tabfm.train.config import GEMINI_PLACEMENTS, PRECISIONS, PRETRAIN_PLUGINS, PretrainConfig
 from tabfm.train.optim import OPTIMIZERS
 
 if TYPE_CHECKING:
@@ -46,13 +47,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", choices=sorted(PretrainConfig.PRESETS), help="training recipe (model size)")
     p.add_argument("--out", default=None, help="run directory (default runs/pretrain-PRESET); an existing run resumes")
     p.add_argument("--plugin", default="single", choices=PRETRAIN_PLUGINS,
-                   help="engine plugin: single (one process) or ddp | zero | fsdp | hybrid under torchrun")
+                   help="engine plugin: single (one process), ddp | zero | fsdp | hybrid under torchrun, or gemini "
+                        "(device budget + host/disk offload; one process or under torchrun)")
     p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
                    help="ZeRO stage for --plugin zero (default 1)")
     p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table")
     p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
     p.add_argument("--pp", type=int, default=None, help="--plugin hybrid: pipeline stages (not available from the "
                    "command line yet; see README)")
+    p.add_argument("--gemini-budget-mib", dest="gemini_budget_mib", type=float, default=None,
+                   help="--plugin gemini: device budget in MiB (default: unbounded, still accounted)")
+    p.add_argument("--gemini-placement", dest="gemini_placement", choices=GEMINI_PLACEMENTS, default=None,
+                   help="--plugin gemini: static (default; fractions) or auto (params cached in the budget, "
+                        "optimizer state moved into what it has left after the warm-up step)")
+    p.add_argument("--gemini-offload-optim", dest="gemini_offload_optim", type=float, default=None,
+                   help="--plugin gemini, static: fraction of chunks whose optimizer state lives off device "
+                        "(host, or disk with --gemini-disk-dir)")
+    p.add_argument("--gemini-disk-dir", dest="gemini_disk_dir", default=None,
+                   help="--plugin gemini: put the off-device optimizer state in files under DIR (removed at exit)")
     p.add_argument("--no-sklearn-eval", action="store_true", help="skip the scikit-learn dataset evaluation")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, typ in _FIELDS.items():
@@ -71,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plugin != "zero":
             raise ValueError(f"--zero-stage applies to --plugin zero, not --plugin {args.plugin}")
         overrides["zero_stage"] = args.zero_stage
-    for name in ("tp", "sp"):
+    for name in ("tp", "sp", *PretrainConfig.GEMINI_FLAGS):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.pp is not None and args.pp != 1:
@@ -94,6 +106,7 @@ def _train(cfg: PretrainConfig, out: str, progress: bool) -> tuple[bool, "TrainR
     The process group is torn down only after every object holding it (DDP's reducer, ...) is
     gone: gloo joins its worker threads in the group's destructor while holding the GIL, and a
     reducer that outlives destroy() can deadlock the process at exit."""
+    from parallel.gemini import DeviceBudgetError
     from parallel.launch import barrier, destroy
     from tabfm.train.pretrain import build_plugin, pretrain  # heavy imports only when the command runs
 
@@ -106,9 +119,14 @@ def _train(cfg: PretrainConfig, out: str, progress: bool) -> tuple[bool, "TrainR
         return main, result
     except BaseException as err:
         traceback.clear_frames(err.__traceback__)  # the traceback would keep the training objects alive
+        if isinstance(err, DeviceBudgetError):  # Gemini: the budget flag's value is what to change
+            raise ValueError(f"--gemini-budget-mib {cfg.gemini_budget_mib}: {err}") from None
         raise
     finally:
-        del plugin
+        close = getattr(plugin, "close", None)  # plugins with resources of their own (Gemini's disk tier files)
+        if close is not None:
+            close()
+        del plugin, close
         gc.collect()
         if finished:
             barrier()  # every collective done everywhere (after a failure a peer may be gone: skip)

@@ -9,7 +9,8 @@ from tabfm.train.optim import OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 PLUGINS = ("single", "ddp", "zero", "fsdp")  # engine plugins a training run (pretrain, finetune) can use
-PRETRAIN_PLUGINS = (*PLUGINS, "hybrid")  # pretraining also splits tables (tensor / row-sequence parallel)
+PRETRAIN_PLUGINS = (*PLUGINS, "hybrid", "gemini")  # pretraining also splits tables, or offloads (Gemini)
+GEMINI_PLACEMENTS = ("static", "auto")
 
 
 @dataclass
@@ -33,12 +34,22 @@ class PretrainConfig:
     ckpt_every     steps between checkpoints; keep_last of them are kept
     init           warm start: model weights from an export directory or shipped name (same model
                    config); optimizer, schedule and stream start fresh. Ignored when the run resumes.
-    plugin         engine plugin: single | ddp | zero | fsdp | hybrid (the distributed ones run under torchrun)
+    plugin         engine plugin: single | ddp | zero | fsdp | hybrid | gemini (the distributed ones run under
+                   torchrun; gemini runs in one process or under torchrun)
     zero_stage     ZeRO stage of plugin "zero": 1 (sharded optimizer state) or 2 (+ sharded gradients)
     tp, sp         plugin "hybrid": tensor-parallel ranks (attention heads and MLP width split) and
                    row-sequence-parallel ranks (each table's rows split); the remaining
                    world / (tp x sp) ranks are data parallel. Ranks of one tp x sp group train on
                    the same batches, so they add compute and memory per table, not batch size.
+    gemini_budget_mib, gemini_placement, gemini_offload_optim, gemini_disk_dir
+                   plugin "gemini" (one process, or data parallel under torchrun with each chunk
+                   sharded over the ranks): the device budget in MiB (None: unbounded, still
+                   accounted); placement "static" (default: parameters on device, the last
+                   `gemini_offload_optim` fraction of the chunks' optimizer state off device) or
+                   "auto" (parameters homed on host and cached in the budget, optimizer state
+                   moved into what the budget has left after the warm-up step); with
+                   `gemini_disk_dir` the off-device optimizer state goes to disk files under that
+                   directory instead of host memory. Gemini steps AdamW only (not Muon).
 
     Batches are per data-parallel rank: every rank draws its own batch of about the stream's
     `cells_per_batch` cells per micro-batch (tables no other rank sees), so one optimizer step
@@ -77,6 +88,10 @@ class PretrainConfig:
     zero_stage: int = 1
     tp: int = 1
     sp: int = 1
+    gemini_budget_mib: float | None = None
+    gemini_placement: str | None = None
+    gemini_offload_optim: float | None = None
+    gemini_disk_dir: str | None = None
 
     PRESETS = {
         # stage 1 of the shipped tabfm-tiny: 31 min on 2 vCPU with --threads 1; stage 2 warm-starts
@@ -88,6 +103,49 @@ class PretrainConfig:
         "smoke": dict(stream="tiny", steps=20, warmup_steps=2, log_every=5, eval_every=10, eval_batches=2,
                       eval_sklearn=False, ckpt_every=10, workers=0, precision="fp32"),
     }
+
+    GEMINI_FLAGS = {"gemini_budget_mib": "--gemini-budget-mib", "gemini_placement": "--gemini-placement",
+                    "gemini_offload_optim": "--gemini-offload-optim", "gemini_disk_dir": "--gemini-disk-dir"}
+
+    def _check_gemini(self, need: Any) -> None:
+        """The gemini_* fields: each names its command-line flag when it is wrong."""
+        flag = self.GEMINI_FLAGS
+        for name in flag:
+            need(getattr(self, name) is None or self.plugin == "gemini", name,
+                 f"{flag[name]} configures --plugin gemini, not --plugin {self.plugin}")
+        if self.plugin != "gemini":
+            return
+        budget, frac = self.gemini_budget_mib, self.gemini_offload_optim
+        need(budget is None or (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0),
+             "gemini_budget_mib", f"{flag['gemini_budget_mib']} must be a number of MiB > 0")
+        need(self.gemini_placement is None or self.gemini_placement in GEMINI_PLACEMENTS, "gemini_placement",
+             f"{flag['gemini_placement']} must be one of {', '.join(GEMINI_PLACEMENTS)}")
+        need(frac is None or (isinstance(frac, (int, float)) and not isinstance(frac, bool) and 0.0 <= frac <= 1.0),
+             "gemini_offload_optim", f"{flag['gemini_offload_optim']} must be a fraction in [0, 1]")
+        need(frac is None or self.gemini_placement != "auto", "gemini_offload_optim",
+             f"{flag['gemini_offload_optim']} is for --gemini-placement static; auto moves optimizer state into "
+             "what the budget leaves after its warm-up step")
+        need(self.gemini_disk_dir is None or (isinstance(self.gemini_disk_dir, str) and self.gemini_disk_dir.strip()),
+             "gemini_disk_dir", f"{flag['gemini_disk_dir']} must name a directory")
+        need(self.gemini_disk_dir is None or self.gemini_placement == "auto" or bool(frac), "gemini_disk_dir",
+             f"{flag['gemini_disk_dir']} holds the optimizer state moved off device: give --gemini-offload-optim F > 0 "
+             "(or --gemini-placement auto)")
+        need(self.optimizer == "adamw", "optimizer", "--plugin gemini steps AdamW on its chunks; use --optimizer adamw")
+        need(self.device in (None, "cpu"), "device", "--plugin gemini keeps every tier in CPU memory (its device "
+             "tier is an accounted budget); leave --device unset or cpu")
+
+    def gemini_options(self) -> dict[str, Any]:
+        """GeminiPlugin keyword arguments of these gemini_* fields."""
+        placement = self.gemini_placement or "static"
+        frac = self.gemini_offload_optim or 0.0
+        out: dict[str, Any] = {"placement": placement, "disk_dir": self.gemini_disk_dir,
+                               "device_budget_bytes": None if self.gemini_budget_mib is None
+                               else int(self.gemini_budget_mib * (1 << 20))}
+        if self.gemini_disk_dir is not None:
+            out["disk_optim_frac"] = 1.0 if placement == "auto" else frac
+        elif placement == "static":
+            out["offload_optim_frac"] = frac
+        return out
 
     @classmethod
     def preset(cls, name: str = "tiny", **overrides: Any) -> "PretrainConfig":
@@ -118,6 +176,7 @@ class PretrainConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
             need(getattr(self, name) == 1 or self.plugin == "hybrid", name,
                  f"--{name} splits each table over ranks; it needs --plugin hybrid (not {self.plugin})")
+        self._check_gemini(need)
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")

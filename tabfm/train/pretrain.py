@@ -1,6 +1,6 @@
 """Pretraining on the synthetic stream or a table store: wires the model, the data and the engine into a Trainer.
 
-One process (`--plugin single`) or many under torchrun (`--plugin ddp | zero | fsdp | hybrid`): every
+One process (`--plugin single | gemini`) or many under torchrun (`--plugin ddp | zero | fsdp | hybrid | gemini`): every
 rank builds the same model, draws its data-parallel rank's share of the stream, and runs the same
 loop (the criterion goes through `booster.boost`, so row-sharded losses are reduced); the
 main process (rank 0) writes train_config.json, logs and metrics. Checkpoints and the export
@@ -54,6 +54,12 @@ def build_plugin(cfg: PretrainConfig) -> Plugin:
     torchrun describes (`parallel.launch`: gloo on CPU, NCCL on CUDA); the caller owns it and
     calls `parallel.destroy()` at the end."""
     world = os.environ.get("WORLD_SIZE")
+    if cfg.plugin == "gemini":  # one process, or its chunks sharded over the ranks torchrun starts
+        from parallel.gemini import GeminiPlugin
+
+        if world is not None:
+            launch()
+        return GeminiPlugin(**cfg.gemini_options())
     if cfg.plugin == "single":
         if world is not None and int(world) > 1:
             raise ValueError(f"--plugin single under torchrun with WORLD_SIZE={world}: every process would train "
