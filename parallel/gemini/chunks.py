@@ -165,10 +165,12 @@ def add_in_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
         d[i:i + ADD_BLOCK].add_(s[i:i + ADD_BLOCK])
 
 
-def choose_chunk_size(numels: list[int], min_chunks: int = 4, align: int = 64) -> tuple[int, int]:
-    """Chunk size (elements) with the least padding when `numels` are packed in order (a tensor
-    never straddles two chunks). Candidates run from the largest tensor up to total/min_chunks
-    (so static fractions have a few chunks to choose from). Returns (size, waste elements)."""
+def choose_chunk_size(numels: list[int], min_chunks: int = 4, align: int = 64,
+                      groups: list[int] | None = None) -> tuple[int, int]:
+    """Chunk size (elements) with the least padding when `numels` are packed in order, each
+    into the open chunk of its optimizer group (`groups`, default all 0; a tensor never
+    straddles two chunks). Candidates run from the largest tensor up to total/min_chunks (so
+    static fractions have a few chunks to choose from). Returns (size, waste elements)."""
     if not numels:
         raise ValueError("no parameters to chunk")
     largest, total = max(numels), sum(numels)
@@ -177,20 +179,21 @@ def choose_chunk_size(numels: list[int], min_chunks: int = 4, align: int = 64) -
     candidates = sorted({lo, hi, *range(lo, hi + 1, max(align, (hi - lo) // 256 // align * align or align))})
     best: tuple[int, int] | None = None
     for size in candidates:
-        waste = pack_waste(numels, size)
+        waste = pack_waste(numels, size, groups)
         if best is None or waste < best[1]:
             best = (size, waste)
     return best  # type: ignore[return-value]
 
 
-def pack_waste(numels: list[int], size: int) -> int:
-    used, chunks, fill = 0, 1, 0
-    for n in numels:
-        if fill + n > size:
-            chunks, fill = chunks + 1, 0
-        fill += n
-        used += n
-    return chunks * size - used
+def pack_waste(numels: list[int], size: int, groups: list[int] | None = None) -> int:
+    """Padding elements when `numels` are packed in order, one open chunk per group."""
+    fill: dict[int, int] = {}
+    chunks = 0
+    for n, g in zip(numels, groups if groups is not None else [0] * len(numels)):
+        if g not in fill or fill[g] + n > size:
+            chunks, fill[g] = chunks + 1, 0
+        fill[g] += n
+    return chunks * size - sum(numels)
 
 
 class ChunkManager:
@@ -208,7 +211,7 @@ class ChunkManager:
         self.policy = policy if policy is not None else LRUPolicy()
         numels = [p.numel() for _, p, _ in named_params]
         if chunk_size is None:
-            chunk_size, _ = choose_chunk_size(numels)
+            chunk_size, _ = choose_chunk_size(numels, groups=[g for _, _, g in named_params])
         elif chunk_size < max(numels):
             raise ValueError(f"chunk_size={chunk_size} is smaller than the largest parameter ({max(numels)} elements)")
         world = self.comm.world
@@ -228,14 +231,16 @@ class ChunkManager:
         self.non_model_bytes = 0  # reserved after an auto warm-up: activations saved for backward
         self.param_cache_bytes = 0  # auto: device bytes kept free for fetched copies (not given to optimizer state)
         S = self.chunk_size // world
+        open_chunk: dict[int, Chunk] = {}  # one chunk being filled per optimizer group (groups interleave in model order)
         for name, p, group in named_params:
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {name} is {p.dtype}; Gemini keeps fp32 master chunks (give fp32 params)")
-            c = self.chunks[-1] if self.chunks else None
-            if c is None or c.group != group or c.used + p.numel() > self.chunk_size:
+            c = open_chunk.get(group)
+            if c is None or c.used + p.numel() > self.chunk_size:
                 c = Chunk(index=len(self.chunks), size=self.chunk_size, group=group, shard_size=S,
                           shard_offset=self.comm.rank * S, sharded=self.comm.sharded, compute_dtype=compute_dtype)
                 self.chunks.append(c)
+                open_chunk[group] = c
             t = TensorInfo(param=p, name=name, chunk=c, offset=c.used, numel=p.numel(), shape=p.shape)
             c.tensors.append(t)
             c.used += p.numel()

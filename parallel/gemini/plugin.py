@@ -268,8 +268,12 @@ class GeminiPlugin(Plugin):
         manager = manager if manager is not None else self._plan(model, optimizer)
         resident = manager.resident_bytes_needed()
         fetch, landing, module_bwd, grad_bufs = 0, 0, 0, 0
-        for module, params in hook_units(model, manager.tensors, plan_blocks(model)).items():
-            chunks = {manager.tensors[p].chunk.index: manager.tensors[p].chunk for p in params}
+        units = hook_units(model, manager.tensors, plan_blocks(model))
+        # the root unit's chunks stay fetched through the whole forward and backward, so they are
+        # part of every other module's working set (shared chunks are counted once)
+        root = {manager.tensors[p].chunk.index: manager.tensors[p].chunk for p in units.get(model, [])}
+        for module, params in units.items():
+            chunks = {manager.tensors[p].chunk.index: manager.tensors[p].chunk for p in params} | root
             here = sum(c.compute_nbytes for c in chunks.values() if c.needs_fetch)
             # sizes from the chunk records: a boosted sharded model's parameters are empty between uses
             grads = sum(manager.tensors[p].numel for p in params if p.requires_grad) * manager.compute_dtype.itemsize
