@@ -843,3 +843,21 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     monkeypatch.setattr(SupervisedTabFMEstimator.__init__, "__defaults__", defaults[:-1] + ("identity",))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
+
+
+def test_tabfm_params_reach_the_estimator_and_its_version():
+    """`--tabfm-params` values are parsed as literals, set on every estimator, change the cache
+    key, and a name the estimator does not take is an error naming it."""
+    from tabfm.commands.eval import parse_params, tabfm_methods
+
+    assert parse_params("n_estimators=1, precision=fp32,max_offset_rows=None") == {
+        "n_estimators": 1, "precision": "fp32", "max_offset_rows": None}
+    assert parse_params(None) == {} and parse_params("") == {}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_params("n_estimators")
+    default = tabfm_methods()["anomaly"]["tabfm"]
+    one = tabfm_methods(params={"n_estimators": 1})["anomaly"]["tabfm"]
+    assert one.version["tabfm"] == default.version["tabfm"] and one.version["params"] != default.version["params"]
+    assert one.factory().detector.n_estimators == 1 and default.factory().detector.n_estimators == 4
+    with pytest.raises(ValueError, match="no parameter.*'n_trees'"):
+        tabfm_methods(params={"n_trees": 3})["anomaly"]["tabfm"]

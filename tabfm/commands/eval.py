@@ -12,6 +12,7 @@ the methods: the task's baselines (``eval.baselines``) plus the project's own es
 from __future__ import annotations
 
 import argparse
+import ast
 from pathlib import Path
 import hashlib
 import sys
@@ -22,8 +23,24 @@ from tabfm.weights import resolve_model_path
 
 TASKS = ("classification", "regression", "imputation", "anomaly")
 
-def tabfm_methods(model: str = "tabfm-tiny") -> dict[str, dict[str, Any]]:
-    """The project's own methods per task, {task: {"tabfm": eval.runner.Method}}, for weights `model`.
+def parse_params(text: str | None) -> dict[str, Any]:
+    """`--tabfm-params "n_estimators=1,max_context_rows=1024"` -> {"n_estimators": 1, ...}
+    (values read as Python literals, else kept as strings)."""
+    params: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--tabfm-params: expected KEY=VALUE pairs separated by commas, got {item!r}")
+        try:
+            params[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            params[key.strip()] = value.strip()
+    return params
+
+
+def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """The project's own methods per task, {task: {"tabfm": eval.runner.Method}}, for weights `model`;
+    `params` are passed to every estimator (a name one does not take is an error naming it).
 
     The estimators follow the contract in eval/protocols.py; the anomaly detector scores
     higher = more normal (sklearn), so it is flipped. The weights' hash is the method's version,
@@ -41,18 +58,28 @@ def tabfm_methods(model: str = "tabfm-tiny") -> dict[str, dict[str, Any]]:
     weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]
     where = str(path)
 
-    def method(make: Any, wrap: Any = None) -> Any:
+    extra = dict(params or {})
+
+    def method(cls: Any, wrap: Any = None) -> Any:
         """The estimator's parameters (not the weights' path) are part of its version, so
         changing a default (e.g. how categorical features are shown) recomputes its scores."""
-        params = {k: v for k, v in sorted(make().get_params().items()) if k != "model"}
-        version = {"tabfm": weights, "params": hashlib.sha256(repr(params).encode()).hexdigest()[:12]}
+        def make() -> Any:
+            est = cls(model=where, random_state=0)
+            unknown = sorted(set(extra) - set(est.get_params()))
+            if unknown:
+                raise ValueError(f"--tabfm-params: {cls.__name__} has no parameter(s) {unknown}; "
+                                 f"it takes {sorted(est.get_params())}")
+            return est.set_params(**extra)
+
+        chosen = {k: v for k, v in sorted(make().get_params().items()) if k != "model"}
+        version = {"tabfm": weights, "params": hashlib.sha256(repr(chosen).encode()).hexdigest()[:12]}
         return Method((lambda: wrap(make())) if wrap else make, version)
 
     return {
-        "classification": {"tabfm": method(lambda: TabFMClassifier(model=where, random_state=0))},
-        "regression": {"tabfm": method(lambda: TabFMRegressor(model=where, random_state=0))},
-        "imputation": {"tabfm": method(lambda: TabFMImputer(model=where, random_state=0))},
-        "anomaly": {"tabfm": method(lambda: TabFMAnomalyDetector(model=where, random_state=0), Negated)},
+        "classification": {"tabfm": method(TabFMClassifier)},
+        "regression": {"tabfm": method(TabFMRegressor)},
+        "imputation": {"tabfm": method(TabFMImputer)},
+        "anomaly": {"tabfm": method(TabFMAnomalyDetector, Negated)},
     }
 
 
@@ -72,6 +99,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--methods", default="all",
                    help="comma-separated method names, or 'all' (default), 'baselines', 'extra'")
     p.add_argument("--model", default="tabfm-tiny", help="TabFM weights: a shipped name or an export directory")
+    p.add_argument("--tabfm-params", metavar="K=V,...",
+                   help="estimator parameters for the TabFM method, e.g. 'n_estimators=1' (part of its cache key)")
     p.add_argument("--datasets", help="comma-separated dataset names (default: every dataset of the suite)")
     p.add_argument("--out", help="output directory (default runs/eval/<task>)")
     p.add_argument("--cache", help="result cache directory (default OUT/cache)")
@@ -154,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--task is required (classification, regression, imputation or anomaly)")
     from eval.runner import evaluate
 
-    extras = tabfm_methods(args.model).get(args.task, {}) if args.methods != "baselines" else {}
+    extras = tabfm_methods(args.model, parse_params(args.tabfm_params)).get(args.task, {}) \
+        if args.methods != "baselines" else {}
     methods = select_methods(args.task, args.methods, threads=args.threads, extras=extras)
     suite = _suite_dir(args.task, args.suite)
     out = Path(args.out) if args.out else Path("runs") / "eval" / args.task
@@ -163,5 +193,6 @@ def run(args: argparse.Namespace) -> int:
                       progress=not args.no_progress, n_threads=args.threads, tie_tol=args.tie_tol,
                       verbose=not args.quiet, plots=not args.no_plots,
                       command={"argv": list(sys.argv), "methods_spec": args.methods, "model": args.model,
+                               "tabfm_params": args.tabfm_params,
                                "suite_arg": args.suite, "datasets": _split(args.datasets) or None})
     return 1 if report.errors else 0
