@@ -22,7 +22,13 @@ on host; disk: params on host, state on disk) relative to all-device, and with p
     python benchmarks/gemini_capacity.py --quick    # 16 MiB, d=256: seconds
     python benchmarks/gemini_capacity.py --precision-layers 7   # only: fp32 vs bf16 vs fp16 chunks, 7 layers
     python benchmarks/gemini_capacity.py --two-ranks 7 --d 512  # only: 2 ranks (gloo) vs 1, 7 layers
-Writes benchmarks/results/gemini_capacity.json (gemini_precision.json, gemini_two_ranks.json).
+    python benchmarks/gemini_capacity.py --device cuda          # device tier = CUDA memory (1 GiB
+                                                                 # budget, d=4096, batch 2048 by default)
+Writes benchmarks/results/gemini_capacity.json (gemini_precision.json, gemini_two_ranks.json;
+--device cuda: gemini_capacity_cuda.json). On CUDA the budget still counts the bytes the manager
+holds in the device tier; each run also records torch.cuda.max_memory_allocated (that plus the
+activations and input of the timed batch), and step times are measured after a
+torch.cuda.synchronize().
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ MODES = {  # the fully offloaded placements used for the step-time comparison
     "disk": dict(offload_param_frac=1.0, disk_optim_frac=1.0),
 }
 MiB = 1 << 20
+DEVICE = "cpu"  # set by --device: the GeminiPlugin device tier every run uses
 
 
 def make_model(d: int, layers: int, device: str = "cpu") -> nn.Module:
@@ -70,7 +77,7 @@ def fits(mode: str, d: int, layers: int, budget: int, host_budget: int) -> dict 
     meta = make_model(d, layers, "meta")
     opt = torch.optim.AdamW(meta.parameters())
     for cfg in placements(mode):
-        est = GeminiPlugin(device_budget_bytes=budget, **cfg).estimate(meta, opt)
+        est = GeminiPlugin(device_budget_bytes=budget, device=DEVICE, **cfg).estimate(meta, opt)
         if est["device_bytes"] <= budget and est["host_bytes"] <= host_budget:
             return cfg
     return None
@@ -89,11 +96,15 @@ def capacity(mode: str, d: int, budget: int, host_budget: int, max_layers: int) 
 
 def run(cfg: dict, d: int, layers: int, budget: int, steps: int, batch: int) -> dict:
     torch.manual_seed(0)
-    plugin = GeminiPlugin(device_budget_bytes=budget, **cfg)
+    plugin = GeminiPlugin(device_budget_bytes=budget, device=DEVICE, **cfg)
     booster = Booster(plugin)
-    m = make_model(d, layers)
+    m = make_model(d, layers)  # built on CPU: its parameters move into the chunks' tiers
     model, opt, *_ = booster.boost(m, torch.optim.AdamW(m.parameters(), lr=1e-4))
-    x = torch.randn(batch, d)
+    cuda = plugin.device.type == "cuda"
+    x = torch.randn(batch, d, device=plugin.device)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     try:
         for _ in range(steps):
@@ -103,14 +114,21 @@ def run(cfg: dict, d: int, layers: int, budget: int, steps: int, batch: int) -> 
             booster.clip_grad_norm_(opt, 1.0)
             opt.step()
             opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         rep = plugin.memory_report()
     finally:
         plugin.close()
-        del model, opt, m
-    return {"step_s": min(times[1:] or times), "peak_device_bytes": rep["device_peak_bytes"],
-            "n_chunks": rep["n_chunks"], "padding_frac": rep["padding_frac"], "prefetch_hits": rep["prefetch_hits"],
-            "non_model_bytes": rep["non_model_bytes"]}
+        del model, opt, m, x
+        if cuda:
+            torch.cuda.empty_cache()
+    out = {"step_s": min(times[1:] or times), "peak_device_bytes": rep["device_peak_bytes"],
+           "n_chunks": rep["n_chunks"], "padding_frac": rep["padding_frac"], "prefetch_hits": rep["prefetch_hits"],
+           "non_model_bytes": rep["non_model_bytes"]}
+    if cuda:
+        out["cuda_max_allocated_bytes"] = rep["cuda_max_allocated_bytes"]
+    return out
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -202,13 +220,19 @@ def main() -> None:
                     help="only: step time and per-rank peak device bytes at 2 ranks (gloo) vs 1, this many layers")
     ap.add_argument("--precision-layers", type=int, default=None,
                     help="only time fp32 vs bf16 vs fp16 compute copies at this many layers (no capacity search)")
+    ap.add_argument("--device", default="cpu", help="GeminiPlugin device tier: cpu (default), cuda, cuda:N or auto")
+    ap.add_argument("--batch", type=int, default=None, help="rows per step (default 32; 2048 on CUDA)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (host-tier Adam runs on CPU)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    budget = int((args.budget_mib or (16 if args.quick else 256)) * MiB)
+    global DEVICE
+    DEVICE = str(GeminiPlugin(device=args.device).device)  # resolves "auto"; CUDA missing: an error
+    cuda = DEVICE.startswith("cuda")
+    torch.set_num_threads(args.threads)
+    budget = int((args.budget_mib or (16 if args.quick else 1024 if cuda else 256)) * MiB)
     host_budget = int(args.host_mib * MiB) if args.host_mib else 2 * budget
-    d = args.d or (256 if args.quick else 1024)
+    d = args.d or (256 if args.quick else 4096 if cuda else 1024)
     steps = args.steps or (3 if args.quick else 4)
-    batch = 32
+    batch = args.batch or (2048 if cuda else 32)
     per_layer = 16 * (d * d + d)
     if args.two_ranks:
         rows = two_rank_rows(d, args.two_ranks, budget, steps, batch)
@@ -227,7 +251,7 @@ def main() -> None:
     if args.precision_layers:
         precision_rows(d, args.precision_layers, budget, steps, batch, args.out)
         return
-    args.out = args.out or str(RESULTS / "gemini_capacity.json")
+    args.out = args.out or str(RESULTS / ("gemini_capacity_cuda.json" if cuda else "gemini_capacity.json"))
 
     rows = []
     for mode in MODES:
@@ -238,6 +262,8 @@ def main() -> None:
         if not args.no_verify and n:
             v = run(row["placement"], d, n, budget, 1, batch)
             row["verified_peak_device_mib"] = v["peak_device_bytes"] / MiB
+            if "cuda_max_allocated_bytes" in v:
+                row["verified_cuda_max_allocated_mib"] = v["cuda_max_allocated_bytes"] / MiB
             assert v["peak_device_bytes"] <= budget
             assert fits(mode, d, n + 1, budget, host_budget) is None
         rows.append(row)
@@ -250,6 +276,8 @@ def main() -> None:
         row.update({"timed_layers": n_time, "step_s": r["step_s"], "step_rel": r["step_s"] / base,
                     "timed_peak_device_mib": r["peak_device_bytes"] / MiB, "n_chunks": r["n_chunks"],
                     "padding_frac": r["padding_frac"]})
+        if "cuda_max_allocated_bytes" in r:
+            row["timed_cuda_max_allocated_mib"] = r["cuda_max_allocated_bytes"] / MiB
 
     # auto placement at the same size and budget: params homed on host, the budget (minus the
     # activations measured in the warm-up step) a farthest-next-use cache with prefetch
@@ -257,9 +285,12 @@ def main() -> None:
     auto_row = {"mode": "auto", "timed_layers": n_time, "step_s": auto["step_s"], "step_rel": auto["step_s"] / base,
                 "timed_peak_device_mib": auto["peak_device_bytes"] / MiB, "prefetch_hits": auto["prefetch_hits"],
                 "non_model_mib": auto["non_model_bytes"] / MiB}
+    if "cuda_max_allocated_bytes" in auto:
+        auto_row["cuda_max_allocated_mib"] = auto["cuda_max_allocated_bytes"] / MiB
 
-    print(f"device budget {budget / MiB:.0f} MiB, host budget {host_budget / MiB:.0f} MiB, Linear({d},{d}) layers, "
-          f"AdamW fp32 (16 B/param); step time at {n_time} layers, batch {batch}, 1 thread")
+    print(f"device tier {DEVICE}, device budget {budget / MiB:.0f} MiB, host budget {host_budget / MiB:.0f} MiB, "
+          f"Linear({d},{d}) layers, AdamW fp32 (16 B/param); step time at {n_time} layers, batch {batch}, "
+          f"{args.threads} CPU thread(s)")
     print(f"{'mode':<11} {'max layers':>10} {'max params':>12} {'state MiB':>10} {'peak MiB':>9} "
           f"{'step s':>8} {'rel':>6}  placement at capacity")
     for r in rows:
@@ -271,9 +302,11 @@ def main() -> None:
           f"{auto_row['non_model_mib']:.1f} MiB measured activations, {auto_row['prefetch_hits']} prefetch hits")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    env = {"torch": torch.__version__, "device": DEVICE, "threads": args.threads}
+    if cuda:
+        env.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(torch.device(DEVICE)))
     out.write_text(json.dumps({"device_budget_bytes": budget, "host_budget_bytes": host_budget, "d": d,
-                               "batch": batch, "quick": args.quick, "torch": torch.__version__, "rows": rows,
-                               "auto": auto_row},
+                               "batch": batch, "quick": args.quick, **env, "rows": rows, "auto": auto_row},
                               indent=1))
     print(f"wrote {out}")
 

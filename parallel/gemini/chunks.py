@@ -39,6 +39,17 @@ arrived, or at the end of backward for chunks some of whose parameters got none.
 must use the same parameters in every backward (as for DDP without find_unused_parameters):
 the collectives run in the order gradients complete.
 
+CUDA (`DeviceTier` with a CUDA device). The device tier is CUDA memory: device-tier masters,
+gradients and optimizer state, fetched compute copies and gradient buffers are CUDA tensors;
+host-tier shards are pinned CPU tensors. A fetch fills its copy on the tier's h2d side stream
+and records an event; the compute stream waits for it when the chunk is acquired, so a
+prefetched chunk's copy overlaps the running module. A chunk whose gradient shard lives on
+host (host params, or any chunk with W > 1) collects its gradients in a full-size CUDA fp32
+buffer (the W > 1 buffer; with W = 1 it is reserved the same way), and once reduced the shard
+goes back on the d2h side stream into pinned staging; `drain` adds it into the host gradient
+when its event has completed (at the latest in `flush`, before norms and steps). On CPU none of
+this happens: buffers are plain CPU tensors and copies are synchronous.
+
 Per-tensor state machine: HOLD (not in use) -> COMPUTE (its chunk is fetched for a forward or
 backward) -> READY (its gradient is in the chunk) -> REDUCED (W > 1: reduce-scattered into the
 shards) -> HOLD after zero_grad.
@@ -55,7 +66,7 @@ from torch import nn
 
 from .comm import ShardComm
 from .placement import LRUPolicy
-from .tiers import DeviceBudget
+from .tiers import DeviceBudget, DeviceTier
 
 F32 = 4  # bytes per element of masters, gradients and optimizer state
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -107,6 +118,7 @@ class Chunk:
     grads_seen: int = 0                      # gradients collected since the last reduce-scatter
     refs: int = 0
     prefetched: bool = False
+    ready: object = None                     # CUDA: event of the copy still filling `compute`
 
     @property
     def nbytes(self) -> int:
@@ -156,8 +168,9 @@ ADD_BLOCK = 1 << 16  # elements per block of a mixed-dtype add
 def add_in_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst += src. When src has another dtype (bf16/fp16 gradients into fp32 buffers) torch's
     CPU add first casts all of src to dst's dtype (a full-size temporary the budget would not
-    see); adding block by block bounds that temporary at ADD_BLOCK elements."""
-    if src.dtype == dst.dtype or src.numel() <= ADD_BLOCK:
+    see); adding block by block bounds that temporary at ADD_BLOCK elements. (CUDA casts inside
+    the kernel: one add.)"""
+    if src.dtype == dst.dtype or src.numel() <= ADD_BLOCK or dst.is_cuda:
         dst.add_(src)
         return
     d, s = dst.view(-1), src.reshape(-1)
@@ -201,11 +214,13 @@ class ChunkManager:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter, int]], chunk_size: int | None,
                  budget: DeviceBudget, disk=None, comm: ShardComm | None = None, policy=None,
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, tier: DeviceTier | None = None) -> None:
         if compute_dtype != torch.float32 and compute_dtype not in LOW_PRECISION:
             raise ValueError(f"compute_dtype {compute_dtype}: expected float32, bfloat16 or float16")
         self.compute_dtype = compute_dtype
         self.budget = budget
+        self.tier = tier if tier is not None else DeviceTier(torch.device("cpu"))
+        self.pending: list = []  # CUDA: gradient write-backs in flight (event, staging, chunk, bytes to release)
         self.disk = disk
         self.comm = comm if comm is not None else ShardComm()
         self.policy = policy if policy is not None else LRUPolicy()
@@ -274,6 +289,12 @@ class ChunkManager:
             else:
                 c.optim_tier = "device"
 
+    def buffered(self, c: Chunk) -> bool:
+        """Its gradients are collected in a full-size fp32 buffer in the device tier before they
+        reach the grad shard: always with several ranks (to reduce them), and on CUDA when the
+        shard lives on host (gradients are made on the GPU and cross PCIe once per chunk)."""
+        return self.comm.world > 1 or (self.tier.cuda and c.param_tier == "host")
+
     def resident_bytes_needed(self) -> int:
         """Bytes permanently on device: master+grad shards of device-param chunks, state shards of
         device-optim chunks (plus the non-model reservation of an auto placement)."""
@@ -293,16 +314,20 @@ class ChunkManager:
                 for t in c.tensors:
                     c.view(full, t).copy_(t.param.detach())
             self.comm.broadcast(full, src=0)
-            c.master = full if not c.sharded else full[c.shard_offset:c.shard_offset + c.shard_size].clone()
-            c.grad = torch.zeros(c.shard_size, dtype=torch.float32)
+            on_host = c.param_tier == "host"
+            if self.tier.cuda:  # device-tier shards in CUDA memory, host-tier ones pinned
+                c.master = self.tier.to_tier(full[c.shard_offset:c.shard_offset + c.shard_size], on_host)
+            else:
+                c.master = full if not c.sharded else full[c.shard_offset:c.shard_offset + c.shard_size].clone()
+            c.grad = self.tier.zeros(c.shard_size, host=on_host)
             self.master_ptrs.add(c.master.untyped_storage().data_ptr())
             for t in c.tensors:
                 t.param.data = self._released_view(c, t)
             if c.optim_tier == "disk":
                 self.disk.write(self.disk_key(c), torch.zeros(2 * c.shard_size, dtype=torch.float32)).result()
             else:
-                c.exp_avg = torch.zeros(c.shard_size, dtype=torch.float32)
-                c.exp_avg_sq = torch.zeros(c.shard_size, dtype=torch.float32)
+                c.exp_avg = self.tier.zeros(c.shard_size, host=c.optim_tier == "host")
+                c.exp_avg_sq = self.tier.zeros(c.shard_size, host=c.optim_tier == "host")
 
     @staticmethod
     def disk_key(c: Chunk) -> str:
@@ -333,21 +358,26 @@ class ChunkManager:
         if tier == "disk":
             self.disk.write(self.disk_key(c), torch.cat([exp_avg, exp_avg_sq])).result()
             c.exp_avg = c.exp_avg_sq = None
-        else:  # a fresh buffer in the new tier (on CUDA this would be the host <-> device copy)
-            c.exp_avg, c.exp_avg_sq = exp_avg.clone(), exp_avg_sq.clone()
+        else:  # a fresh buffer in the new tier (on CUDA: the host <-> device copy)
+            host = tier == "host"
+            c.exp_avg, c.exp_avg_sq = self.tier.to_tier(exp_avg, host), self.tier.to_tier(exp_avg_sq, host)
         c.optim_tier = tier
 
-    @staticmethod
-    def _released_view(c: Chunk, t: TensorInfo) -> torch.Tensor:
-        """What a parameter holds while its chunk is not fetched: a view of the master (W = 1),
-        or an empty tensor (W > 1: the full value exists only while gathered)."""
-        return c.view(c.master, t) if not c.sharded else torch.empty(0, dtype=torch.float32)
+    def _released_view(self, c: Chunk, t: TensorInfo) -> torch.Tensor:
+        """What a parameter holds while its chunk is not fetched: a view of the master (W = 1;
+        on CUDA a host-tier master is pinned CPU memory), or an empty tensor on the device
+        (W > 1: the full value exists only while gathered)."""
+        if not c.sharded:
+            return c.view(c.master, t)
+        return torch.empty(0, dtype=torch.float32, device=self.tier.device)
 
     # --- fetch / release ---------------------------------------------------------------------
     def reserve(self, nbytes: int, what: str) -> None:
         """Reserve device bytes, evicting cached (released, still resident) copies in the
         policy's order until the request fits; refuse if it still does not."""
         budget = self.budget
+        if self.pending and budget.budget_bytes is not None and budget.resident_bytes + nbytes > budget.budget_bytes:
+            self.drain()  # CUDA: finish gradient write-backs before evicting what may be used again
         while (budget.budget_bytes is not None and self.cached
                and budget.resident_bytes + nbytes > budget.budget_bytes):
             self.evict(self.cached[self.policy.victim(self.cached)])
@@ -360,13 +390,15 @@ class ChunkManager:
         why = ("all-gathering its shards" if c.sharded else "params offloaded to host" if c.param_tier == "host"
                else f"{c.compute_dtype} compute copy")
         self.reserve(c.compute_nbytes, f"fetching chunk {c.index} ({why})")
-        buf = torch.empty(c.size, dtype=c.compute_dtype)
-        if c.sharded:
-            mine = buf[c.shard_offset:c.shard_offset + c.shard_size]
-            mine.copy_(c.master)
-            self.comm.all_gather(buf, mine)
-        else:
-            buf.copy_(c.master)
+        buf = self.tier.empty(c.size, c.compute_dtype)  # on CUDA: the compute stream's memory
+        with self.tier.fetch_stream():  # CUDA: filled on the h2d side stream
+            if c.sharded:
+                mine = buf[c.shard_offset:c.shard_offset + c.shard_size]
+                self.tier.copy_in(mine, c.master)
+                self.comm.all_gather(buf, mine)
+            else:
+                self.tier.copy_in(buf, c.master)
+            c.ready = self.tier.record(self.tier.h2d)
         c.compute = buf
         self.compute_ptrs[buf.untyped_storage().data_ptr()] = c
         for t in c.tensors:
@@ -382,6 +414,9 @@ class ChunkManager:
             elif c.compute is None:
                 self._fetch(c)
             c.prefetched = False
+        if c.ready is not None:  # CUDA: kernels of this module wait for the copy, not the CPU
+            self.tier.wait(c.ready)
+            c.ready = None
         if c.needs_fetch:
             self.policy.on_acquire(c.index)
         c.refs += 1
@@ -397,6 +432,8 @@ class ChunkManager:
         for index in self.policy.prefetch(lambda i: self.chunks[i].refs > 0 or self.chunks[i].compute is not None):
             c = self.chunks[index]
             budget = self.budget
+            if self.pending:
+                self.drain(block=False)
             while budget.budget_bytes is not None and budget.resident_bytes + c.compute_nbytes > budget.budget_bytes:
                 if not self.cached:
                     return
@@ -434,6 +471,9 @@ class ChunkManager:
         c.prefetched = False
         if c.compute is None:
             return
+        if c.ready is not None:  # CUDA: a prefetch never used; its block is reused only after the copy
+            self.tier.wait(c.ready)
+            c.ready = None
         del self.compute_ptrs[c.compute.untyped_storage().data_ptr()]
         for t in c.tensors:
             t.param.data = self._released_view(c, t)
@@ -442,9 +482,26 @@ class ChunkManager:
         self.evictions += 1
 
     def flush(self) -> None:
-        """Evict every cached copy (before steps and IO: parameters read their masters)."""
+        """Evict every cached copy (before steps and IO: parameters read their masters); on CUDA
+        also finish the gradient write-backs and wait for the side streams, so host masters and
+        gradients may be read and changed in place."""
+        self.drain()
         for c in list(self.cached.values()):
             self.evict(c)
+        self.tier.synchronize()
+
+    def drain(self, block: bool = True) -> None:
+        """CUDA: add completed gradient write-backs into their host grad shards, in the order they
+        were issued (so sums are those of the CPU path), releasing their device buffers' bytes;
+        `block=False` stops at the first still in flight."""
+        while self.pending:
+            event, staging, c, nbytes = self.pending[0]
+            if not block and not event.query():
+                return
+            event.synchronize()
+            c.grad.add_(staging)
+            self.budget.release(nbytes)
+            self.pending.pop(0)
 
     def release_all(self) -> None:
         for c in self.chunks:
@@ -485,13 +542,13 @@ class ChunkManager:
         g = p.grad.detach()  # the compute dtype; added into fp32 below (no fp32 temporary)
         p.grad = None
         t.state, t.has_grad = TensorState.READY, True
-        if self.comm.world == 1:
+        if not self.buffered(c):
             add_in_blocks(c.view(c.grad, t), g)
             return
         if c.grad_full is None:
-            how = "reduce-scattered" if c.sharded else "all-reduced"
+            how = ("reduce-scattered" if c.sharded else "all-reduced") if self.comm.world > 1 else "copied to host"
             self.reserve(c.nbytes, f"fp32 gradient buffer of chunk {c.index} ({how} when complete)")
-            c.grad_full = torch.zeros(c.size, dtype=torch.float32)
+            c.grad_full = self.tier.zeros(c.size)
         add_in_blocks(c.view(c.grad_full, t), g)
         c.grads_seen += 1
         if c.grads_seen >= c.grads_expected:
@@ -499,21 +556,33 @@ class ChunkManager:
 
     def reduce_chunk(self, c: Chunk) -> None:
         """Reduce a chunk's fp32 gradient buffer over the ranks (mean) into its grad and free it:
-        reduce-scatter into the shard, or all-reduce for a replicated chunk."""
+        reduce-scatter into the shard, or all-reduce for a replicated chunk (W = 1 on CUDA: no
+        collective, the buffer only carries the gradients to the host shard)."""
+        held = c.nbytes  # budget bytes this chunk's buffers hold until its gradient is in the shard
         if c.sharded:
-            shard = torch.empty(c.shard_size, dtype=torch.float32)
+            shard = self.tier.empty(c.shard_size)
             self.comm.reduce_scatter(shard, c.grad_full)
-            c.grad.add_(shard.mul_(1.0 / self.comm.world))
+            self.budget.release(c.nbytes)  # the full buffer is done; the shard is what moves on
+            shard.mul_(1.0 / self.comm.world)
+            held = 0
             self.reduce_scatters += 1
         else:
-            self.comm.all_reduce(c.grad_full)
-            c.grad.add_(c.grad_full.mul_(1.0 / self.comm.world))
-            self.all_reduces += 1
+            shard = c.grad_full
+            if self.comm.world > 1:
+                self.comm.all_reduce(shard)
+                shard.mul_(1.0 / self.comm.world)
+                self.all_reduces += 1
+        if not (self.tier.cuda and c.param_tier == "host"):
+            c.grad.add_(shard)
+            self.budget.release(held)
+        else:  # CUDA, host grad shard: copied back on the d2h stream, added in `drain`
+            staging, event = self.tier.write_back(shard)
+            self.pending.append((event, staging, c, held))
+            self.drain(block=False)
         c.grad_full = None
         c.grads_seen = 0
-        self.budget.release(c.nbytes)
         for t in c.tensors:
-            if t.state is TensorState.READY:
+            if t.state is TensorState.READY and self.comm.world > 1:
                 t.state = TensorState.REDUCED
 
     def finish_backward(self) -> None:
@@ -541,15 +610,16 @@ class ChunkManager:
         chunks (the same full gradient on every rank) are counted once, after the all-reduce."""
         shards = [c.grad[:c.local_used] for c in self.chunks if c.local_used and c.sharded]
         whole = [c.grad[:c.used] for c in self.chunks if c.used and not c.sharded]
+        cpu = torch.device("cpu")  # shards may sit in either tier; the sums meet on CPU
         if math.isinf(norm_type):
-            local = max((s.abs().max() for s in shards + whole if s.numel()), default=torch.tensor(0.0))
+            local = max((s.abs().max().to(cpu) for s in shards + whole if s.numel()), default=torch.tensor(0.0))
             return self.comm.all_reduce(torch.as_tensor(local, dtype=torch.float32).reshape(1), "max")[0]
         total = torch.zeros(1, dtype=torch.float64)
         for s in shards:
-            total += s.double().abs().pow(norm_type).sum()
+            total += s.double().abs().pow(norm_type).sum().to(cpu)
         total = self.comm.all_reduce(total)
         for s in whole:
-            total += s.double().abs().pow(norm_type).sum()
+            total += s.double().abs().pow(norm_type).sum().to(cpu)
         return total[0].pow(1.0 / norm_type).float()
 
     # --- full tensors --------------------------------------------------------------------------
@@ -557,7 +627,7 @@ class ChunkManager:
         """The full-size buffer of a per-chunk shard (collective when W > 1)."""
         if not c.sharded:
             return shard
-        full = torch.empty(c.size, dtype=torch.float32)
+        full = torch.empty(c.size, dtype=torch.float32, device=shard.device)
         self.comm.all_gather(full, shard)
         return full
 
@@ -576,6 +646,7 @@ class ChunkManager:
             "chunk_size": self.chunk_size,
             "n_chunks": len(self.chunks),
             "world_size": self.comm.world,
+            "device": str(self.tier.device),
             "shard_size": self.chunk_size // self.comm.world,
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "fetch_bytes": self.chunk_size * self.compute_dtype.itemsize,  # one fetched compute copy

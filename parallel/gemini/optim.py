@@ -3,7 +3,12 @@ each chunk's state lives (fp32, exact).
 
 Each chunk is one call of torch's single-tensor Adam kernel on flat views of the local shard
 (per-tensor slices when tensors are at different step counts), so the result equals
-`torch.optim.AdamW`: AdamW is elementwise, so stepping shards is stepping the whole. Disk state
+`torch.optim.AdamW`: AdamW is elementwise, so stepping shards is stepping the whole. On CUDA
+the step runs where the chunk's Adam state lives: device-tier state with torch's fused CUDA
+Adam kernel (equal to torch.optim.AdamW(fused=True); within float rounding of the CPU kernel),
+host and disk state with the CPU kernel as above; a master and gradient shard in the other
+tier are copied there for the step and the updated master copied back (a device step copy is
+reserved in the budget, as on CPU). Disk state
 is prefetched one chunk ahead by a background thread through a bounded buffer (at most three
 chunk-state buffers alive). Gradient clipping computes the global norm (over all ranks' shards)
 and folds the clip factor into the step.
@@ -76,7 +81,7 @@ class GeminiOptimizer(OptimizerWrapper):
         if self._clip_coef is not None:  # clipped twice before a step: materialise the first factor
             with torch.no_grad():
                 for c in self.manager.chunks:
-                    c.grad.mul_(self._clip_coef)
+                    c.grad.mul_(self._clip_coef.to(c.grad.device))
             self._clip_coef = None
         if self.manager.comm.sharded:
             norm = self.manager.grad_norm(norm_type)
@@ -106,25 +111,35 @@ class GeminiOptimizer(OptimizerWrapper):
         if self.manager.comm.sharded and any(t.state is TensorState.READY for t in ready):
             raise RuntimeError(f"chunk {c.index}: gradients were not reduced over the ranks before the step")
         if self._clip_coef is not None:
-            c.grad.mul_(self._clip_coef)
+            c.grad.mul_(self._clip_coef.to(c.grad.device))
         hyper = self._hyper(self.optim.param_groups[c.group])
         needs_copy = c.optim_tier == "device" and c.param_tier == "host"
         if needs_copy:  # master + grad shards visit the device for the step
             self.manager.reserve(2 * c.shard_nbytes, f"stepping chunk {c.index} on device")
         try:
+            where = exp_avg.device  # the step runs where the Adam state lives
+            master, grad = c.master, c.grad
+            if master.device != where:  # CUDA only: the other tier's shards visit for the step
+                master, grad = master.to(where), grad.to(where)
+            kernel = dict(foreach=False, fused=True) if where.type == "cuda" else dict(foreach=False)
+
+            def steps(counts: list[int]) -> list[torch.Tensor]:
+                return [torch.tensor(float(n), device=where if where.type == "cuda" else None) for n in counts]
+
             if len(ready) == len(c.tensors) and len({t.step for t in ready}) == 1:
                 n = c.local_used  # one flat call over the parameters of the shard
                 if n:
-                    step = torch.tensor(float(ready[0].step))
-                    _adam_functional([c.master[:n]], [c.grad[:n]], [exp_avg[:n]], [exp_avg_sq[:n]], [], [step],
-                                     foreach=False, **hyper)
+                    _adam_functional([master[:n]], [grad[:n]], [exp_avg[:n]], [exp_avg_sq[:n]], [],
+                                     steps([ready[0].step]), **kernel, **hyper)
             else:  # tensors at different step counts (some had no gradient): per-tensor slices
                 parts = [(t, r) for t in ready if (r := c.local_range(t)) is not None]
                 if parts:
                     sl = [slice(r[0], r[0] + r[2]) for _, r in parts]
-                    _adam_functional([c.master[s] for s in sl], [c.grad[s] for s in sl], [exp_avg[s] for s in sl],
-                                     [exp_avg_sq[s] for s in sl], [], [torch.tensor(float(t.step)) for t, _ in parts],
-                                     foreach=False, **hyper)
+                    _adam_functional([master[s] for s in sl], [grad[s] for s in sl], [exp_avg[s] for s in sl],
+                                     [exp_avg_sq[s] for s in sl], [], steps([t.step for t, _ in parts]),
+                                     **kernel, **hyper)
+            if master is not c.master:
+                c.master.copy_(master)
             for t in ready:
                 t.step += 1
         finally:

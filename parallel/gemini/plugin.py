@@ -26,8 +26,17 @@ fp32 inputs cast to match; gradients arrive in bf16/fp16 and are accumulated and
 fp32; AdamW steps the fp32 masters. fp16 adds dynamic loss scaling folded into the chunk
 optimizer (`optim.py`).
 
-Not here: CUDA streams (on CUDA the budget would be real device memory; this code keeps every
-tier in CPU memory and accounts the device tier against the budget).
+Device: `device="cpu"` (the default) keeps every tier in CPU memory and accounts the device
+tier against the budget (CPU-only machines). `device="cuda"` (or "cuda:N"; "auto": CUDA when
+available, else CPU) puts the device tier in CUDA memory: fetched compute copies, gradient
+buffers, device-tier masters/gradients/Adam state (stepped with torch's fused CUDA Adam); the
+host tier in pinned CPU memory (Adam state there stepped on CPU); fetches on a side stream
+fenced by events, so `auto`'s prefetch overlaps the running module; gradient write-backs to the
+host tier on another side stream (`tiers.DeviceTier`). Collectives use the process group's
+backend (NCCL when `parallel.launch` saw CUDA). The budget keeps its meaning (bytes the manager
+holds in the device tier); `memory_report()` adds torch.cuda.memory_allocated/
+max_memory_allocated as a cross-check. Feed the model inputs on `plugin.device`. Asking for
+CUDA without it is an error, never a CPU run.
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ from ..plugins.fsdp import plan_blocks
 from .hooks import ChunkHooks, GeminiModule, hook_units
 from .optim import GeminiOptimizer
 from .placement import AutoPolicy, LRUPolicy, device_optim_chunks
-from .tiers import DeviceBudget, DeviceBudgetError, DiskStore
+from .tiers import DeviceBudget, DeviceBudgetError, DeviceTier, DiskStore, resolve_device
 
 __all__ = ["GeminiOptimizer", "GeminiPlugin"]
 
@@ -87,6 +96,11 @@ class GeminiPlugin(Plugin):
                          apply to fp16): the dtype of the fetched compute copies; masters,
                          gradients and optimizer state stay fp32.
 
+    device               "cpu" (default): the device tier is CPU memory accounted against the budget.
+                         "cuda" / "cuda:N": CUDA memory (see the module docstring); "cuda" means
+                         the current CUDA device (torchrun + parallel.launch: cuda:LOCAL_RANK).
+                         "auto": "cuda" when torch.cuda.is_available(), else "cpu". CUDA asked
+                         for but unavailable: RuntimeError naming the torch build.
     shard_param_frac     static, several ranks: fraction of chunks (the last ones) sharded over the
                          ranks; the others are replicated (each rank holds the whole chunk, its
                          gradients are all-reduced, its optimizer step runs on every rank). 1.0:
@@ -107,7 +121,7 @@ class GeminiPlugin(Plugin):
                  offload_param_frac: float = 0.0, offload_optim_frac: float = 0.0, disk_optim_frac: float = 0.0,
                  disk_dir: "str | os.PathLike | None" = None, chunk_size: int | None = None,
                  prefetch_depth: int = 1, precision: "str | MixedPrecision | None" = None,
-                 shard_param_frac: float = 1.0) -> None:
+                 shard_param_frac: float = 1.0, device: "str | torch.device" = "cpu") -> None:
         if placement not in ("static", "auto"):
             raise ValueError(f"placement={placement!r}: expected 'static' or 'auto'")
         if placement == "auto" and offload_param_frac:
@@ -125,6 +139,7 @@ class GeminiPlugin(Plugin):
         if offload_optim_frac + disk_optim_frac > 1.0 + 1e-9:
             raise ValueError(f"offload_optim_frac + disk_optim_frac = {offload_optim_frac + disk_optim_frac} > 1")
         super().__init__(precision)
+        self._device = resolve_device(device)
         self.comm = ShardComm.from_env()
         self._checkpoint_io = GeminiCheckpointIO(self)
         if self.comm.sharded:  # every backward reduce-scatters: accumulation stays exact, no_sync saves nothing
@@ -147,7 +162,8 @@ class GeminiPlugin(Plugin):
     # --- topology ------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        """Where modules compute and inputs belong: the device tier's device."""
+        return self._device
 
     @property
     def dp_rank(self) -> int:
@@ -194,6 +210,10 @@ class GeminiPlugin(Plugin):
             self.disk = DiskStore(self.disk_dir)
             manager.disk = self.disk
         with torch.no_grad():
+            for module in model.modules():  # buffers (not chunked) live where the modules compute
+                for key, b in module._buffers.items():
+                    if b is not None and b.device != self._device:
+                        module._buffers[key] = b.to(self._device)
             for b in model.buffers():  # like DDP: rank 0's buffers are the model's
                 self.comm.broadcast(b.data, src=0)
         manager.materialize()
@@ -216,7 +236,8 @@ class GeminiPlugin(Plugin):
             named.append((name, p, group_of[p]))
         policy = AutoPolicy(self.prefetch_depth) if self.placement == "auto" else LRUPolicy()
         manager = ChunkManager(named, self.chunk_size, DeviceBudget(self.device_budget_bytes), comm=self.comm,
-                               policy=policy, compute_dtype=self.precision.torch_dtype or torch.float32)
+                               policy=policy, compute_dtype=self.precision.torch_dtype or torch.float32,
+                               tier=DeviceTier(self._device))
         manager.place(self.offload_param_frac, self.offload_optim_frac, self.disk_optim_frac, self.shard_param_frac)
         return manager
 
@@ -261,8 +282,9 @@ class GeminiPlugin(Plugin):
                  manager: ChunkManager | None = None) -> dict[str, int]:
         """Bytes this placement needs per tier and rank, without allocating (the model may live on
         the meta device): device = resident + working set (the largest module fetch plus the
-        gradients its backward produces, plus, with several ranks, the full-size fp32 gradient
-        buffers of the chunks that can be incomplete at once; or a device step copy); host =
+        gradients its backward produces, plus, with several ranks (or on CUDA, for chunks whose
+        gradient shard lives on host), the full-size fp32 gradient buffers of the chunks that can
+        be incomplete at once; or a device step copy); host =
         host-tier shards + the disk stream's bounded buffers (3 chunk shards). Auto placement
         adds the activation bytes it measures in its warm-up."""
         manager = manager if manager is not None else self._plan(model, optimizer)
@@ -279,7 +301,8 @@ class GeminiPlugin(Plugin):
             grads = sum(manager.tensors[p].numel for p in params if p.requires_grad) * manager.compute_dtype.itemsize
             fetch, landing = max(fetch, here), max(landing, grads)
             module_bwd = max(module_bwd, here + grads)  # a module's backward: its copies + its fresh grads
-            if manager.comm.world > 1:  # the module's chunks plus the one before them may be partial
+            if any(manager.buffered(c) for c in chunks.values()):  # several ranks, or CUDA with host
+                # grads: the module's chunks plus the one before them may be partial
                 grad_bufs = max(grad_bufs, (len(chunks) + 1) * manager.chunk_size * 4)
         step = max((2 * c.shard_nbytes for c in manager.chunks if c.optim_tier == "device" and c.param_tier == "host"),
                    default=0)
@@ -357,7 +380,9 @@ class GeminiPlugin(Plugin):
 
     # --- reporting -------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
-        """Chunk layout, padding waste, tiers, device bytes resident and peak, traffic counters."""
+        """Chunk layout, padding waste, tiers, device bytes resident and peak, traffic counters;
+        on CUDA also `cuda_allocated_bytes` / `cuda_max_allocated_bytes` (torch's allocator: the
+        manager's device bytes plus activations, inputs and workspaces it does not hold)."""
         rep = self._boosted().report()
         rep["placement"] = self.placement
         rep["disk_dir"] = str(self.disk.root) if self.disk is not None else None
@@ -365,6 +390,7 @@ class GeminiPlugin(Plugin):
         rep["disk_bytes_written"] = self.disk.bytes_written if self.disk is not None else 0
         rep["cached_chunks"] = len(self.manager.cached)
         rep["max_disk_buffers"] = self.optimizer.max_disk_buffers if self.optimizer is not None else 0
+        rep.update(self.manager.tier.memory())  # CUDA: torch's allocated bytes, to set beside the accounting
         return rep
 
     def close(self) -> None:
@@ -376,5 +402,5 @@ class GeminiPlugin(Plugin):
         return (f"GeminiPlugin(placement={self.placement!r}, device_budget_bytes={self.device_budget_bytes}, "
                 f"offload_param_frac={self.offload_param_frac}, offload_optim_frac={self.offload_optim_frac}, "
                 f"disk_optim_frac={self.disk_optim_frac}, shard_param_frac={self.shard_param_frac}, "
-                f"world_size={self.comm.world}, "
+                f"world_size={self.comm.world}, device={str(self._device)!r}, "
                 f"precision={self.precision.dtype!r})")

@@ -1,11 +1,12 @@
-"""Memory tiers of the Gemini chunk manager: an accounted "device" budget and a disk store.
+"""Memory tiers of the Gemini chunk manager: an accounted "device" budget, where the device tier
+lives and how bytes cross into it (`DeviceTier`), and a disk store.
 
-On this CPU-only machine the three tiers are simulated honestly where it matters:
-
-  device   CPU memory accounted against `device_budget_bytes` (`DeviceBudget`): every buffer the
+  device   CUDA memory (device="cuda"), or CPU memory on CPU-only machines (device="cpu"), in
+           both cases accounted against `device_budget_bytes` (`DeviceBudget`): every buffer the
            manager places "on device" is reserved here first; a reservation that would exceed
            the budget is refused with an error naming the numbers. The peak is recorded.
-  host     CPU memory outside the budget.
+  host     CPU memory outside the budget; pinned (page-locked) when the device is CUDA, so
+           host <-> device copies run asynchronously on side streams.
   disk     raw little-endian fp32 files under a directory (`DiskStore`), one per chunk, with a
            JSON sidecar, in a fresh `gemini-<host>-<pid>-*` subdirectory per process (removed at
            close/exit; one left by a killed process is removed by the next DiskStore there); read and written by one background thread so the optimizer can prefetch
@@ -13,6 +14,7 @@ On this CPU-only machine the three tiers are simulated honestly where it matters
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -28,12 +30,156 @@ import numpy as np
 import torch
 
 
+def resolve_device(device: "str | torch.device") -> torch.device:
+    """The device tier's torch device for GeminiPlugin(device=...): "cpu", "cuda" / "cuda:N", or
+    "auto" (CUDA when this torch build sees a GPU, else CPU). Asking for CUDA where there is none
+    is an error, never a silent CPU run (the budget would then mean something else)."""
+    if isinstance(device, str) and device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda', 'cuda:N' or 'auto'") from e
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device={device!r}: the Gemini device tier is 'cuda' or 'cpu' (or 'auto'), not {dev.type!r}")
+    if not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build, no GPU visible"
+        raise RuntimeError(f"GeminiPlugin(device={device!r}) asks for a CUDA device tier, but torch.cuda.is_available() "
+                           f"is False (torch {torch.__version__}, {build}); use device='cpu' (the budget is then "
+                           "accounted CPU memory) or 'auto'")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return torch.device("cuda", index)
+
+
+class DeviceTier:
+    """Where the device tier lives and how chunk bytes cross between it and the host.
+
+    CPU (`device.type == "cpu"`): every method is a plain allocation or copy; host tensors are
+    not pinned (pinning needs an accelerator); nothing is asynchronous.
+
+    CUDA: host-tier buffers are pinned; host -> device fetches run on `h2d` and device -> host
+    gradient writes on `d2h`, two side streams (PCIe is full duplex), each fenced by an event:
+
+      fetch     the destination is allocated on the compute (current) stream, so it is that
+                stream's memory; the side stream first waits for the compute stream (the block
+                may have been freed there with kernels still reading it), copies, and records an
+                event that the compute stream waits for before the first kernel reads the copy
+                (`wait`). A copy evicted before use is waited for too, so the allocator cannot
+                hand its block out while the copy still writes it.
+      write     the side stream waits for the compute stream (the gradient is complete), copies
+                into a pinned staging buffer and records an event; the device source is marked
+                `record_stream(d2h)` so the allocator keeps it until the copy is done. The host
+                add happens when the event has completed (`ChunkManager.drain`).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self.timeline: list | None = None  # CUDA, for tests: (start, end) events of every fetch
+
+    def empty(self, n: int, dtype: torch.dtype = torch.float32, host: bool = False) -> torch.Tensor:
+        """A flat buffer in the device tier, or (`host`) in the host tier (pinned on CUDA)."""
+        if host or not self.cuda:
+            return torch.empty(n, dtype=dtype, pin_memory=self.cuda)
+        return torch.empty(n, dtype=dtype, device=self.device)
+
+    def zeros(self, n: int, dtype: torch.dtype = torch.float32, host: bool = False) -> torch.Tensor:
+        return self.empty(n, dtype, host).zero_()
+
+    def to_tier(self, t: torch.Tensor, host: bool) -> torch.Tensor:
+        """A copy of `t` in the device tier or the host tier (synchronous)."""
+        out = self.empty(t.numel(), t.dtype, host)
+        out.copy_(t.reshape(-1))
+        return out
+
+    @contextlib.contextmanager
+    def fetch_stream(self):
+        """Context for a fetch: the h2d side stream after it waited for the compute stream (CUDA),
+        or nothing (CPU). With `timeline` set to a list, each fetch appends a (start, end) pair of
+        timing events on the h2d stream (tests measure how much copying overlaps compute)."""
+        if not self.cuda:
+            yield
+            return
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d):
+            start = torch.cuda.Event(enable_timing=True) if self.timeline is not None else None
+            if start is not None:
+                start.record(self.h2d)
+            yield
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(self.h2d)
+                self.timeline.append((start, end))
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (a device-tier buffer) := src cast to dst's dtype. On CUDA from a pinned host
+        tensor without blocking the CPU; a cast happens first on the CPU into pinned staging (no
+        full-size fp32 temporary in device memory; the host allocator keeps the staging block
+        until the copy is done)."""
+        if not self.cuda or src.device == dst.device:
+            dst.copy_(src)
+            return
+        if src.dtype != dst.dtype:
+            staging = torch.empty(src.shape, dtype=dst.dtype, pin_memory=True)
+            staging.copy_(src)
+            src = staging
+        dst.copy_(src, non_blocking=True)
+
+    def record(self, stream) -> "torch.cuda.Event | None":
+        """An event recorded on `stream` (None on CPU)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, event: "torch.cuda.Event | None") -> None:
+        """The compute stream waits (on the GPU, the CPU does not block) for `event`."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def write_back(self, src: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """Start copying device tensor `src` into a new host buffer; (buffer, event). On CPU the
+        buffer is `src` itself and the event None."""
+        if not self.cuda:
+            return src, None
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            staging.copy_(src, non_blocking=True)
+            src.record_stream(self.d2h)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h)
+        return staging, ev
+
+    def synchronize(self) -> None:
+        """Wait (CPU) until both side streams are idle: before the host tier's masters are changed
+        in place (CPU Adam, checkpoint loads) no copy may still read them."""
+        if self.cuda:
+            self.h2d.synchronize()
+            self.d2h.synchronize()
+
+    def memory(self) -> dict[str, int]:
+        """torch's own count of CUDA bytes allocated now and at peak (the report's cross-check)."""
+        if not self.cuda:
+            return {}
+        return {"cuda_allocated_bytes": torch.cuda.memory_allocated(self.device),
+                "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(self.device)}
+
+
 class DeviceBudgetError(RuntimeError):
     """The device budget cannot hold what a step needs."""
 
 
 class DeviceBudget:
-    """Bytes resident in the (simulated) device tier, checked against a budget."""
+    """Bytes resident in the device tier (CUDA memory, or accounted CPU memory), checked against
+    a budget."""
 
     def __init__(self, budget_bytes: int | None) -> None:
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
