@@ -23,8 +23,8 @@ from parallel.plugins.hybrid import _check_layout
 from parallel.sharded_checkpoint import load_full_model_state
 from tabfm.model import masked_cell_loss
 from tests.dist_utils import run_distributed
-from tests.test_hybrid import B, CLIP, GRAD_TOL, LOSS_TOL, LR, OUT_TOL, PARAM_TOL, STEPS, R, _close, cells, full, \
-    make_batch, make_model, micro_batches
+from tests.test_hybrid import (B, CLIP, GRAD_TOL, LOSS_TOL, LR, OUT_TOL, PARAM_TOL, STEPS, R, _close, _get, cells,
+                               full, make_batch, make_model, micro_batches)
 
 M = 2  # micro-batches per batch
 
@@ -290,12 +290,6 @@ def reference(dp: int = 1, mode: str = "eval", steps: int = STEPS, layers: int =
     res["params"] = res["params_by_step"][-1]
     _refs[key] = res
     return res
-
-
-def _get(results, name):
-    for rank, r in enumerate(results):
-        assert "error" not in r[name], f"rank {rank} scenario {name}:\n{r[name]['error']}"
-    return [r[name] for r in results]
 
 
 def _subset(full_dict: dict, keys) -> dict:
