@@ -132,13 +132,6 @@ class ColumnFacts(NamedTuple):
     code_vectors: torch.Tensor  # float32 (B, C, K_table, id_dim) identity vector of each code
 
 
-class EncodedTable(NamedTuple):
-    tokens: torch.Tensor  # (B, T + R, C, d): thinking rows first (when asked for), then the table's rows
-    mean: torch.Tensor  # float64 (B, C) context mean used for standardisation
-    std: torch.Tensor  # float64 (B, C) context std used for standardisation
-    code_vectors: torch.Tensor  # float32 (B, C, K_table, id_dim) identity vector of each code
-
-
 def _visible(batch: TableBatch) -> torch.Tensor:
     """(B, R, C) values with hidden and padding cells NaN."""
     cell_valid = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
@@ -149,8 +142,8 @@ class CellEncoder(nn.Module):
     """TableBatch -> per-cell tokens. See the module docstring for what a token carries.
 
     `forward` = `columns` (what the context rows fix: statistics and identities) then `embed`
-    (tokens of any rows given those facts). Split so a context can be described once and query
-    rows embedded later against it (`TabFM.encode_context`).
+    (tokens of any rows given those facts), returning both. Split so a context can be described
+    once and query rows embedded later against it (`TabFM.forward_queries`).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -179,11 +172,12 @@ class CellEncoder(nn.Module):
             seeds = mix32(seeds ^ mix32(torch.tensor(int(id_seed) & _M32, device=seeds.device)))
         return seeds
 
-    def columns(self, batch: TableBatch, id_seed: int = 0) -> ColumnFacts:
-        """Statistics and identities of each column, from the batch's context rows."""
+    def columns(self, batch: TableBatch, id_seed: int = 0, x: torch.Tensor | None = None) -> ColumnFacts:
+        """Statistics and identities of each column, from the batch's context rows
+        (x: the batch's visible values when already computed)."""
         b, _, c = batch.shape
         e = self.config.id_dim
-        x = _visible(batch)
+        x = _visible(batch) if x is None else x
         sums = self.stats(x, batch.context & batch.row_valid, with_hash=not self.training)
         mean, std = mean_std(sums)
         seeds = self.column_seeds(batch, sums, id_seed)
@@ -199,10 +193,12 @@ class CellEncoder(nn.Module):
             col_vec, code_vec = vecs[:, :, 0], vecs[:, :, 1:]  # (B, C, e), (B, C, K, e)
         return ColumnFacts(mean=mean, std=std, col_vec=col_vec, code_vectors=code_vec)
 
-    def embed(self, batch: TableBatch, facts: ColumnFacts, thinking: bool = True) -> EncodedTable:
-        """Tokens of the batch's rows given the column facts; `thinking` prepends the thinking rows."""
+    def embed(self, batch: TableBatch, facts: ColumnFacts, thinking: bool = True,
+              x: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens (B, T + R, C, d) of the batch's rows given the column facts; `thinking` prepends
+        the thinking rows (x: the batch's visible values when already computed)."""
         b, r, c = batch.shape
-        x = _visible(batch)
+        x = _visible(batch) if x is None else x
         mean, std, col_vec, code_vec = facts
         kind = batch.kind.long()[:, None, :]  # (B, 1, C)
         missing = torch.isnan(x)
@@ -233,7 +229,10 @@ class CellEncoder(nn.Module):
             tokens = torch.cat([think.to(tokens.dtype), tokens + col_tok], dim=1)
         else:
             tokens = tokens + col_tok
-        return EncodedTable(tokens=tokens, mean=mean, std=std, code_vectors=code_vec)
+        return tokens
 
-    def forward(self, batch: TableBatch, id_seed: int = 0) -> EncodedTable:
-        return self.embed(batch, self.columns(batch, id_seed))
+    def forward(self, batch: TableBatch, id_seed: int = 0) -> tuple[torch.Tensor, ColumnFacts]:
+        """(tokens with the thinking rows first, the column facts) of a batch."""
+        x = _visible(batch)
+        facts = self.columns(batch, id_seed, x)
+        return self.embed(batch, facts, x=x), facts

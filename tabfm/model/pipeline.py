@@ -68,8 +68,7 @@ class TabFMStage(nn.Module):
         index = batch.query.nonzero()  # (N, 3) in the caller's row order
         batch, pos = _keys_first(batch)
         if self.first:
-            facts = self.encoder.columns(batch)
-            x = self.encoder.embed(batch, facts).tokens
+            x, facts = self.encoder(batch)
             mean, std, code_vectors = facts.mean, facts.std, facts.code_vectors[:, :, :cfg.max_categories]
         else:
             x, mean, std, code_vectors = received

@@ -153,8 +153,7 @@ class TabFM(nn.Module):
         batch, pos = _keys_first(batch)
         if pos is not None:
             ri = pos[bi, ri]
-        facts = self.encoder.columns(batch, id_seed)
-        x = self.encoder.embed(batch, facts).tokens
+        x, facts = self.encoder(batch, id_seed)
         col_mask, n_keys, kv_mask = _attention_masks(batch, t)
         use_ckpt = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
@@ -195,8 +194,7 @@ class TabFM(nn.Module):
             raise RuntimeError("encode_context is for inference: call model.eval() first")
         if bool(batch.query.any()) or not bool((batch.context | ~batch.row_valid).all()):
             raise ValueError("encode_context takes context rows only (no query cells, every valid row context)")
-        facts = self.encoder.columns(batch, id_seed)
-        x = self.encoder.embed(batch, facts).tokens
+        x, facts = self.encoder(batch, id_seed)
         col_mask, n_keys, kv_mask = _attention_masks(batch, self.config.n_thinking_rows)
         caches = [KVCache() for _ in self.blocks]
         for block, cache in zip(self.blocks, caches):
@@ -216,7 +214,7 @@ class TabFM(nn.Module):
         if bool((batch.context & batch.row_valid).any()):
             raise ValueError("forward_queries takes non-context rows only; put context rows in encode_context")
         index = batch.query.nonzero()
-        x = self.encoder.embed(batch, cache.facts, thinking=False).tokens
+        x = self.encoder.embed(batch, cache.facts, thinking=False)
         col_mask = _attention_masks(batch, 0)[0]
         for block, kv in zip(self.blocks, cache.kv):
             x = block(x, col_mask, 0, None, kv)
