@@ -318,22 +318,37 @@ class GeneralCheckpointIO(CheckpointIO):
             prune_checkpoints(path.parent, keep_last, keep=path)
         return path
 
+    group: Any = None  # process group of a distributed reader (ReplicatedCheckpointIO)
+
+    def _rank_world(self) -> tuple[int, int]:
+        return 0, 1
+
+    # --- hooks: how full state reaches the (possibly sharded) objects of a reader's plugin --------
+    def load_full_model_state(self, model: nn.Module, path: Path, strict: bool) -> None:
+        load_model_weights(model, path, strict=strict)
+
+    def load_full_optimizer_state(self, model: nn.Module | None, optimizer: Any, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
     def load_checkpoint(self, path, model=None, optimizer=None, lr_scheduler=None, strict=True, restore_rng=True):
         path = Path(path)
+        rank, world = self._rank_world()
         manifest = read_manifest(path)
         if manifest.get("checkpoint_io") == "sharded":  # written by a distributed run: DCP reshards it here
-            return sharded_reader().load_checkpoint(path, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                                    strict=strict, restore_rng=restore_rng)
+            return sharded_reader(self.group).load_checkpoint(path, model=model, optimizer=optimizer,
+                                                              lr_scheduler=lr_scheduler, strict=strict,
+                                                              restore_rng=restore_rng)
         if manifest.get("checkpoint_io") != self.name:
             raise ValueError(f"{path} was written by checkpoint IO {manifest.get('checkpoint_io')!r}; "
                              f"{type(self).__name__} reads only {self.name!r} checkpoints")
         if model is not None:
-            load_model_weights(model, path / "model.safetensors", strict=strict)
+            self.load_full_model_state(model, path / "model.safetensors", strict)
         if optimizer is not None:
-            optimizer.load_state_dict(load_state(path / "optimizer"))
+            self.load_full_optimizer_state(model, optimizer, load_state(path / "optimizer"))
         if lr_scheduler is not None:
             lr_scheduler.load_state_dict(load_state(path / "scheduler"))
         state = load_extra(path)
         if restore_rng:
-            restore_rng_state(state["rng"])
+            ranks = state.get("rng_ranks")
+            restore_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
         return state["trainer"]

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointIO, load_extra, read_manifest, restore_rng_state, unwrap_model
+from ..checkpoint import unwrap_model
+from ..plugins.ddp import ReplicatedCheckpointIO
 from ..sharded_checkpoint import ShardedCheckpointIO, _check_groups, _StateHolder
 from ..state_io import load_state, load_weights
 
@@ -175,30 +176,13 @@ class GeminiCheckpointIO(ShardedCheckpointIO):
                                    f"export {out_dir}"))
 
 
-class GeminiGeneralReader(CheckpointIO):
+class GeminiGeneralReader(ReplicatedCheckpointIO):
     """Reads "general" (full-tensor, single-process) checkpoints into a Gemini run at any world
     size: every rank reads the full tensors and keeps its slices. Writing is GeminiCheckpointIO's."""
 
-    name = "general"
-
     def __init__(self, plugin: "GeminiPlugin") -> None:
+        super().__init__(group=None)
         self._plugin = plugin
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("GeminiPlugin writes checkpoints through GeminiCheckpointIO")
-
-    def load_checkpoint(self, path, model=None, optimizer=None, lr_scheduler=None, strict=True, restore_rng=True):
-        path = Path(path)
-        if read_manifest(path).get("checkpoint_io") != self.name:
-            raise ValueError(f"{path} is not a 'general' checkpoint")
-        if model is not None:
-            self._plugin.load_full_model_state(unwrap_model(model), load_weights(path / "model.safetensors"),
-                                               strict=strict, where=path / "model.safetensors")
-        if optimizer is not None:
-            optimizer.load_state_dict(load_state(path / "optimizer"))
-        if lr_scheduler is not None:
-            lr_scheduler.load_state_dict(load_state(path / "scheduler"))
-        state = load_extra(path)
-        if restore_rng:
-            restore_rng_state(state["rng"])
-        return state["trainer"]
+    def load_full_model_state(self, model: nn.Module, path: Path, strict: bool) -> None:
+        self._plugin.load_full_model_state(unwrap_model(model), load_weights(path), strict=strict, where=path)

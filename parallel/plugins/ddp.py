@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,18 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from ..checkpoint import (
-    GeneralCheckpointIO,
-    load_extra,
-    load_model_weights,
-    read_manifest,
-    restore_rng_state,
-    sharded_reader,
-)
+from ..checkpoint import GeneralCheckpointIO
 from ..plugin import Plugin
 from ..sharded_checkpoint import ShardedCheckpointIO
 from ..precision import MixedPrecision
-from ..state_io import load_state
 from ..wrappers import ModelWrapper, OptimizerWrapper
 
 
@@ -62,42 +53,12 @@ class ReplicatedCheckpointIO(GeneralCheckpointIO):
             return dist.get_rank(self.group), dist.get_world_size(self.group)
         return 0, 1
 
-    # --- hooks: how full state reaches the (possibly sharded) objects -----------------------
-    def load_full_model_state(self, model: nn.Module, path: Path, strict: bool) -> None:
-        load_model_weights(model, path, strict=strict)
-
-    def load_full_optimizer_state(self, model: nn.Module | None, optimizer: Any, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)  # ZeRO keeps its own partition of the full state
-
     def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
         raise NotImplementedError("distributed runs save through ShardedCheckpointIO; "
                                   f"{type(self).__name__} only reads general checkpoints")
 
     def export(self, model, out_dir, config):
         raise NotImplementedError("distributed runs export through ShardedCheckpointIO")
-
-    def load_checkpoint(self, path, model=None, optimizer=None, lr_scheduler=None, strict=True, restore_rng=True):
-        path = Path(path)
-        rank, world = self._rank_world()
-        manifest = read_manifest(path)
-        if manifest.get("checkpoint_io") == "sharded":
-            return sharded_reader(self.group).load_checkpoint(path, model=model, optimizer=optimizer,
-                                                              lr_scheduler=lr_scheduler, strict=strict,
-                                                              restore_rng=restore_rng)
-        if manifest.get("checkpoint_io") != self.name:
-            raise ValueError(f"{path} was written by checkpoint IO {manifest.get('checkpoint_io')!r}; "
-                             f"{type(self).__name__} reads only {self.name!r} checkpoints")
-        if model is not None:
-            self.load_full_model_state(model, path / "model.safetensors", strict)
-        if optimizer is not None:
-            self.load_full_optimizer_state(model, optimizer, load_state(path / "optimizer"))
-        if lr_scheduler is not None:
-            lr_scheduler.load_state_dict(load_state(path / "scheduler"))
-        state = load_extra(path)
-        if restore_rng:
-            ranks = state.get("rng_ranks")
-            restore_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
-        return state["trainer"]
 
 
 class TorchDDPPlugin(Plugin):
