@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -39,6 +39,7 @@ import torch
 
 from data.batch import CATEGORICAL, NUMERIC, TableBatch
 from data.encode import TableSchema, encode_frame
+from data.seekable import SeekableStream
 
 CLASSIFICATION, REGRESSION, IMPUTATION = "classification", "regression", "imputation"
 PREDICTION_TASKS = (CLASSIFICATION, REGRESSION)
@@ -281,13 +282,15 @@ def _rng(seed: int, *key: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=key))
 
 
-class TableEpisodeSampler:
+class TableEpisodeSampler(SeekableStream):
     """An endless, seeded stream of episode batches from the training rows of real tables.
 
     Iterating yields `TableBatch`es from `position` on (advancing it); `episode_at(p)` also
     returns the `EpisodeInfo` (which rows each episode used). Tables are drawn in proportion
     to their training rows.
     """
+
+    kind = "sampler"
 
     def __init__(self, tables: Sequence[EpisodeTable], cfg: EpisodeConfig | None = None, seed: int = 0,
                  rank: int = 0, world_size: int = 1, position: int = 0) -> None:
@@ -336,18 +339,3 @@ class TableEpisodeSampler:
         task = IMPUTATION if rng.random() < self.cfg.imputation else table.task
         take = rng.choice(table.n_rows, size=n, replace=False)
         return pose_episode(table, take, cols, task, self.cfg, rng), task, table.rows[take]
-
-    # ------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[TableBatch]:
-        while True:
-            batch = self.batch_at(self.position)
-            self.position += 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"state was saved with seed {state['seed']}, this sampler has seed {self.seed}")
-        self.position = int(state["position"])

@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import numpy as np
 
 from data.batch import TableBatch
+from data.seekable import SeekableStream
 from synth.config import PriorConfig
 from synth.episodes import IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode
 from synth.prior import sample_table
@@ -191,7 +192,7 @@ def _check_index(name: str, value: int, minimum: int = 0) -> int:
     return int(value)
 
 
-class SynthStream:
+class SynthStream(SeekableStream):
     """An endless iterable of TableBatches for rank `rank` of `world_size`.
 
     Iteration starts at `position` and advances it by one per yielded batch, so
@@ -272,19 +273,5 @@ class SynthStream:
             classes.append(int(table.cardinality[table.target]) if episode.task == CLASSIFICATION else 0)
         return frames, BatchInfo(position, self.rank, tuple(tasks), tuple(classes))
 
-    # ------------------------------------------------------------- iteration
-    def __iter__(self) -> Iterator[TableBatch]:
-        while True:
-            batch = self.batch_at(self.position)
-            self.position += 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        """Where the stream stands: the next position to generate (and the seed that must match)."""
-        return {"seed": self.seed, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a state_dict(); the seed must be the one the state was saved with."""
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"state was saved with seed {state['seed']}, this stream has seed {self.seed}")
-        self.position = _check_index("position", state["position"])
+    def _check_position(self, position: Any) -> int:
+        return _check_index("position", position)
