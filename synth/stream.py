@@ -67,6 +67,10 @@ class StreamConfig:
         "pretrain": dict(min_rows=32, max_rows=512, min_cols=2, max_cols=24, max_cells=8192,
                          row_quantum=32, cells_per_batch=16384, max_batch=32,
                          classification=0.6, regression=0.2, imputation=0.2),
+        # a longer CPU stage from pretrained weights: tables up to 1024 x 64 (wide, long contexts)
+        "pretrain-wide": dict(min_rows=64, max_rows=1024, min_cols=2, max_cols=64, max_cells=16384,
+                              row_quantum=32, cells_per_batch=32768, max_batch=32,
+                              classification=0.6, regression=0.2, imputation=0.2),
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),

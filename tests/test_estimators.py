@@ -277,6 +277,58 @@ def test_categorical_features_reach_the_model_as_the_mode_says(mode):
         TabFMClassifier(model=stub, categorical="onehot").fit(X, y).predict(X)
 
 
+def test_quantile_normal_by_hand():
+    """Mid-ranks of the context values -> standard-normal quantiles; linear in between, clamped outside."""
+    from scipy.stats import norm
+
+    from tabfm.estimators.ensemble import quantile_normal
+
+    ctx = np.array([1.0, 2.0, 2.0, 3.0, 100.0, NAN], dtype=np.float32)  # n = 5 observed
+    # mid-ranks: 1 -> 0.5/5, 2 -> 2/5, 3 -> 3.5/5, 100 -> 4.5/5
+    at = norm.ppf([0.1, 0.4, 0.7, 0.9])
+    got = quantile_normal(ctx, np.array([0.0, 1.0, 2.0, 2.5, 3.0, 51.5, 100.0, 1e6, NAN], dtype=np.float32))
+    want = [at[0], at[0], at[1], (at[1] + at[2]) / 2, at[2], (at[2] + at[3]) / 2, at[3], at[3], NAN]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    same = np.array([4.0, 4.0, NAN], dtype=np.float32)
+    np.testing.assert_array_equal(quantile_normal(same, same), same)  # < 2 distinct values: unchanged
+
+
+@pytest.mark.parametrize("numeric", ["raw", "quantile", "mixed"])
+def test_numeric_features_reach_the_model_as_the_mode_says(numeric):
+    """quantile: numeric features arrive as the normal scores of their ranks among the member's
+    context rows (query rows scored against the context); raw: unchanged; mixed: members alternate.
+    Categorical codes and the target are never transformed."""
+    from scipy.stats import rankdata
+    from scipy.special import ndtri
+
+    X, y = frame(), labels()
+    stub = StubModel()
+    clf = TabFMClassifier(model=stub, n_estimators=2, random_state=3, numeric=numeric).fit(X, y)
+    members = clf._members(cover_all=False, n_classes=3)
+    assert [m.numeric for m in members] == {"raw": ["raw"] * 2, "quantile": ["quantile"] * 2,
+                                            "mixed": ["raw", "quantile"]}[numeric]
+    Xq = X.iloc[:7].copy()
+    Xq.loc[0, "c"] = 1e9  # beyond every context value: the largest score
+    clf.predict_proba(Xq)
+    for m, batch in zip(members, stub.batches[-2:]):
+        a, b, c = (clf.schema_.encoded_indices(name)[0] for name in "abc")
+        pos = {j: int(np.flatnonzero(m.column_groups[0] == j)[0]) for j in (a, b, c)}
+        ctx = batch.x[0, : len(X), pos[a]].numpy()
+        query = batch.x[0, len(X):, pos[c]].numpy()
+        if m.numeric == "quantile":
+            expected = ndtri(rankdata(X["a"]) / len(X) - 0.5 / len(X))  # distinct values: mid-rank = rank - 1/2
+            np.testing.assert_allclose(ctx, expected, rtol=1e-5)
+            assert query[0] == pytest.approx(ndtri(1 - 0.5 / len(X)), rel=1e-5)
+            np.testing.assert_allclose(query[1:], ndtri(rankdata(X["c"]) / len(X) - 0.5 / len(X))[1:7], rtol=1e-5)
+        else:
+            np.testing.assert_allclose(ctx, X["a"].to_numpy(), rtol=1e-6)
+            assert query[0] == pytest.approx(1e9)
+        codes = clf.train_x_[:, b].astype(int)
+        np.testing.assert_array_equal(batch.x[0, : len(X), pos[b]].numpy(), m.code_perms[b][codes])
+    with pytest.raises(ValueError, match="numeric must be one of"):
+        TabFMClassifier(model=stub, numeric="log").fit(X, y).predict(X)
+
+
 def test_chunked_prediction_equals_one_shot(export_dir):
     X, y = frame(), labels()
     big = make(TabFMClassifier, export_dir, chunk_size=1000).fit(X, y).predict_proba(X)

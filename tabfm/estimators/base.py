@@ -25,7 +25,7 @@ from data.encode import TableSchema, encode_frame
 from tabfm.inference import CellFn, ContextPredictor, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
-from .ensemble import Member, make_members, subsample
+from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
 
 DEFAULT_N_ESTIMATORS = 4
 DEFAULT_MAX_CONTEXT_ROWS = 2048
@@ -101,6 +101,8 @@ class TabFMEstimator(BaseEstimator):
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if getattr(self, "categorical", CATEGORICAL_MODES[0]) not in CATEGORICAL_MODES:
             raise ValueError(f"categorical must be one of {CATEGORICAL_MODES}, got {self.categorical!r}")
+        if getattr(self, "numeric", NUMERIC_TRANSFORMS[0]) not in NUMERIC_TRANSFORMS:
+            raise ValueError(f"numeric must be one of {NUMERIC_TRANSFORMS}, got {self.numeric!r}")
 
     def _runtime(self) -> Runtime:
         """Load (or reuse) the model on the configured device."""
@@ -209,7 +211,7 @@ class TabFMEstimator(BaseEstimator):
     def _members(self, cover_all: bool, n_classes: int | None = None) -> list[Member]:
         """The ensemble members, fixed at fit by random_state."""
         return make_members(self.ensemble_seed_, self.n_estimators, self._units(), self._kind, self._card, self.max_columns,
-                            cover_all=cover_all, n_classes=n_classes)
+                            cover_all=cover_all, n_classes=n_classes, numeric=getattr(self, "numeric", "raw"))
 
     # ------------------------------------------------------------------ running
     def _predict(self, rt: Runtime, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
@@ -232,6 +234,10 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  categorical cells with random code identities. With the shipped weights ordinal
                  is far stronger on categorical tables (README, BENCHMARKS.md). The target itself
                  is always categorical (classification) or numeric (regression).
+    numeric      how numeric features reach the model: "raw" (standardised by the model's encoder),
+                 "quantile" (normal scores of their ranks among the member's context rows, so skew
+                 and outliers vanish), or "mixed" (default; members alternate raw / quantile, and the
+                 ensemble averages both views).
     Other parameters: see TabFMEstimator.
     """
 
@@ -239,11 +245,12 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  random_state: int | np.random.RandomState | None = None, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 categorical: str = "ordinal") -> None:
+                 categorical: str = "ordinal", numeric: str = "raw") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size)
         self.categorical = categorical
+        self.numeric = numeric
 
     def _supervised_view(self, member: Member, x_query: np.ndarray, strata: np.ndarray | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -251,9 +258,14 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows, strata)
         cols = member.column_groups[0]
         kind, card = self._kind[cols], self._card[cols]
+        ctx, query = member.view(self.train_x_[rows], cols), member.view(x_query, cols)
+        if member.numeric == "quantile":
+            for j in np.flatnonzero(kind == NUMERIC):
+                query[:, j] = quantile_normal(ctx[:, j], query[:, j])
+                ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
         if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
             kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
-        return rows, member.view(self.train_x_[rows], cols), member.view(x_query, cols), kind, card
+        return rows, ctx, query, kind, card
 
     def _predict_target(self, rt: Runtime, context_x: np.ndarray, context_y: np.ndarray, query_x: np.ndarray,
                         kind: np.ndarray, cardinality: np.ndarray, n_classes: int | None, fn: CellFn) -> np.ndarray:

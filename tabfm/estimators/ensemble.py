@@ -7,7 +7,10 @@ Each member sees the table
   (the model gives codes identity, not order, so this changes its random code vectors, not the data);
 - for classification, with the class codes of the target relabelled (`class_perm`), undone on
   the probabilities: P(class c) = P_member(code class_perm[c]);
-- with its own context rows when there are more than `max_context_rows` (`subsample`).
+- with its own context rows when there are more than `max_context_rows` (`subsample`);
+- with its numeric features as they are or as normal scores of their context ranks
+  (`numeric`, see `quantile_normal`): members that differ in preprocessing average out the
+  model's sensitivity to skewed or heavy-tailed features (as TabPFN ensembles over transforms).
 Every random choice comes from the member's seed, so a member is a pure function of
 (random_state, member index) and does not depend on the query rows.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.special import ndtri
 
 from data.batch import CATEGORICAL
 
@@ -28,6 +32,7 @@ class Member:
     column_groups: list[np.ndarray]  # encoded feature column indices of each table this member runs
     code_perms: dict[int, np.ndarray] = field(default_factory=dict)  # column -> perm: code c shown as perm[c]
     class_perm: np.ndarray | None = None  # target class c shown as class_perm[c]
+    numeric: str = "raw"  # "raw" or "quantile": how numeric features are shown (see quantile_normal)
 
     def rng(self, *keys: int) -> np.random.Generator:
         """A generator for one further choice (e.g. context rows of fold k), keyed so choices stay independent."""
@@ -74,19 +79,48 @@ def column_groups(rng: np.random.Generator, units: list[np.ndarray], max_columns
     return groups
 
 
+NUMERIC_TRANSFORMS = ("raw", "quantile", "mixed")
+
+
 def make_members(seed: int, n_members: int, units: list[np.ndarray], kind: np.ndarray, cardinality: np.ndarray,
-                 max_columns: int, cover_all: bool, n_classes: int | None = None) -> list[Member]:
-    """The members of an ensemble, each from its own child seed of `seed`."""
+                 max_columns: int, cover_all: bool, n_classes: int | None = None, numeric: str = "raw") -> list[Member]:
+    """The members of an ensemble, each from its own child seed of `seed`.
+
+    numeric: "raw" or "quantile" for every member, or "mixed": even members raw, odd members quantile.
+    """
+    if numeric not in NUMERIC_TRANSFORMS:
+        raise ValueError(f"numeric transform must be one of {NUMERIC_TRANSFORMS}, got {numeric!r}")
     members = []
-    for child in np.random.SeedSequence(seed).spawn(n_members):
+    for i, child in enumerate(np.random.SeedSequence(seed).spawn(n_members)):
         m_seed = int(child.generate_state(1)[0])
         rng = np.random.default_rng(m_seed)
         groups = column_groups(rng, units, max_columns, cover_all)
         perms = {int(j): rng.permutation(int(cardinality[j]))
                  for j in np.flatnonzero((kind == CATEGORICAL) & (cardinality >= 2))}
         class_perm = rng.permutation(n_classes) if n_classes and n_classes >= 2 else None
-        members.append(Member(m_seed, groups, perms, class_perm))
+        shown = ("raw", "quantile")[i % 2] if numeric == "mixed" else numeric
+        members.append(Member(m_seed, groups, perms, class_perm, shown))
     return members
+
+
+def quantile_normal(context: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Normal scores of `values` under the empirical distribution of `context` (one column; NaN kept).
+
+    Each distinct context value maps to the standard-normal quantile of its mid-rank,
+    (rank_left + rank_right) / 2n, clipped to [1/2n, 1 - 1/2n]; values between context values are
+    interpolated linearly, values beyond them get the extreme scores. A column with fewer than
+    two distinct context values is returned unchanged.
+    """
+    seen = np.sort(context[~np.isnan(context)])
+    uniq = np.unique(seen)
+    if len(uniq) < 2:
+        return values
+    n = len(seen)
+    mid = (np.searchsorted(seen, uniq, "left") + np.searchsorted(seen, uniq, "right")) / (2.0 * n)
+    scores = ndtri(np.clip(mid, 0.5 / n, 1.0 - 0.5 / n))
+    out = np.interp(values, uniq, scores)
+    out[np.isnan(values)] = np.nan
+    return out.astype(values.dtype, copy=False)
 
 
 def subsample(rng: np.random.Generator, pool: np.ndarray, size: int, strata: np.ndarray | None = None) -> np.ndarray:
