@@ -154,14 +154,16 @@ def tabpfn_inputs(batch: TableBatch, context: int) -> tuple[torch.Tensor, torch.
 # ------------------------------------------------------------------------------ FLOPs
 def tabfm_flops(cfg: ModelConfig, shape: Shape, train: bool = True) -> dict[str, float]:
     """Analytic FLOPs of the tabfm blocks for one step on `shape` (see module docstring)."""
-    d, h, t = cfg.d_model, cfg.mlp_hidden, cfg.n_thinking_rows
-    b, r, c = shape.tables, shape.rows + t, shape.cols
+    d, h, t, g = cfg.d_model, cfg.mlp_hidden, cfg.n_thinking_rows, cfg.cells_per_token
+    b, r, c = shape.tables, shape.rows + t, math.ceil(shape.cols / g)  # c: tokens per row
     keys = shape.context + t
     tokens = b * r * c
     linear = tokens * (2 * 4 * d * d) * 2 + tokens * 2 * 2 * d * h
     attention = b * r * 4 * c * c * d + b * c * 4 * r * keys * d
     k = (3 if train else 1) * cfg.n_layers
-    return {"linear": float(k * linear), "attention": float(k * attention), "total": float(k * (linear + attention))}
+    pack = (3 if train else 1) * tokens * 2 * g * d * d if g > 1 else 0  # cells -> tokens (not a block)
+    return {"linear": float(k * linear + pack), "attention": float(k * attention),
+            "total": float(k * (linear + attention) + pack)}
 
 
 def tabpfn_v2_flops(d: int, n_layers: int, shape: Shape, train: bool = True, features_per_group: int = 2) -> dict[str, float]:
@@ -382,6 +384,7 @@ def build_cases(
     reference: str,
     peak_n: int,
     seed: int = 0,
+    cells_per_token: tuple[int, ...] = (1,),
 ) -> tuple[list[Case], dict]:
     """All timed cases plus a description of the models (params, reference kind)."""
     train_batch, infer_batch = make_batch(train_shape, seed), make_batch(infer_shape, seed + 1)
@@ -398,10 +401,13 @@ def build_cases(
 
     cases: list[Case] = []
     for preset in presets:
+        cfgs, pair = {}, {}
+        for g in cells_per_token:  # "tabfm" = one token per cell, "tabfm-g4" = 4 cells per token
+            name = "tabfm" if g == 1 else f"tabfm-g{g}"
+            cfgs[name] = ModelConfig.preset(preset, cells_per_token=g)
+            torch.manual_seed(seed)
+            pair[name] = TabFM(cfgs[name])
         cfg = ModelConfig.preset(preset)
-        torch.manual_seed(seed)
-        ours = TabFM(cfg)
-        pair = {"tabfm": ours}
         if reference != "none":
             if module is not None:
                 try:
@@ -418,18 +424,19 @@ def build_cases(
                 "d_model": cfg.d_model,
                 "n_layers": cfg.n_layers,
                 "n_heads": cfg.n_heads,
-                "mlp_hidden": cfg.mlp_hidden if name == "tabfm" else 4 * cfg.d_model,
-                "tokens_per_row": train_shape.cols if name == "tabfm" else math.ceil((train_shape.cols - 1) / 2) + 1,
-                "thinking_rows": cfg.n_thinking_rows if name == "tabfm" else 0,
+                "mlp_hidden": cfg.mlp_hidden if name in cfgs else 4 * cfg.d_model,
+                "tokens_per_row": (math.ceil(train_shape.cols / cfgs[name].cells_per_token) if name in cfgs
+                                   else math.ceil((train_shape.cols - 1) / 2) + 1),
+                "thinking_rows": cfg.n_thinking_rows if name in cfgs else 0,
             }
         for prec in precisions:
             for name, model in pair.items():
                 model.train()
                 opt = _adamw(model)
-                if name == "tabfm":
+                if name in cfgs:
                     step = tabfm_train_step(model, opt, train_batch, prec)
-                    fl = tabfm_flops(cfg, train_shape, train=True)
-                    infer, fl_inf = tabfm_infer(model, infer_batch, prec), tabfm_flops(cfg, infer_shape, train=False)
+                    fl = tabfm_flops(cfgs[name], train_shape, train=True)
+                    infer, fl_inf = tabfm_infer(model, infer_batch, prec), tabfm_flops(cfgs[name], infer_shape, train=False)
                 else:
                     step = tabpfn_train_step(model, opt, pfn_train, prec)
                     fl = tabpfn_v2_flops(cfg.d_model, cfg.n_layers, train_shape, train=True)
@@ -504,7 +511,7 @@ def summarise(cases: list[Case], info: dict) -> dict:
         inf = by_key[(c.model, c.preset, c.precision, "infer")]
         row = {
             "model": c.model,
-            "label": "tabfm" if c.model == "tabfm" else info["reference"],
+            "label": c.model if c.model.startswith("tabfm") else info["reference"],
             "preset": c.preset,
             "precision": c.precision,
             "params": info["models"][f"{c.model}/{c.preset}"]["params"],
@@ -526,16 +533,16 @@ def summarise(cases: list[Case], info: dict) -> dict:
         ref = next((r for r in rows if r["model"] == "tabpfn" and r["preset"] == row["preset"] and r["precision"] == row["precision"]), None)
         for clock in ("cpu", "wall"):
             key = f"cells_per_s_{clock}"
-            row[f"speedup_vs_tabpfn_{clock}"] = row[key] / ref[key] if (ref and row["model"] == "tabfm") else None
-            row[f"infer_speedup_vs_tabpfn_{clock}"] = (
-                ref[f"infer_ms_{clock}"] / row[f"infer_ms_{clock}"] if (ref and row["model"] == "tabfm") else None
-            )
+            ours = row["model"].startswith("tabfm")
+            row[f"speedup_vs_tabpfn_{clock}"] = row[key] / ref[key] if (ref and ours) else None
+            row[f"infer_speedup_vs_tabpfn_{clock}"] = ref[f"infer_ms_{clock}"] / row[f"infer_ms_{clock}"] if (ref and ours) else None
     goals = []
     for row in rows:
-        if row["model"] != "tabfm":
+        if not row["model"].startswith("tabfm"):
             continue
         sp = row["speedup_vs_tabpfn_cpu"]
         goals.append({
+            "model": row["model"],
             "preset": row["preset"],
             "precision": row["precision"],
             "speedup_vs_tabpfn_cpu": sp,
@@ -553,7 +560,7 @@ def print_table(summary: dict, info: dict, train_shape: Shape, infer_shape: Shap
           + ", ".join(f"{k} {v['cpu']:.0f} GFLOP/s (cpu-time) / {v['wall']:.0f} (wall)" for k, v in p.items()))
     print(f"train step on {train_shape.label()}; inference on {infer_shape.label()}")
     print(f"reference: {info['reference']}" + (f"  [{info['reference_note']}]" if info.get("reference_note") else ""))
-    head = (f"{'preset':6} {'prec':4} {'model':7} {'params':>8} {'cells/s':>8} {'(wall)':>8} {'x tabpfn':>8} "
+    head = (f"{'preset':6} {'prec':4} {'model':8} {'params':>8} {'cells/s':>8} {'(wall)':>8} {'x tabpfn':>8} "
             f"{'(wall)':>6} {'MFU %':>6} {'(wall)':>6} {'infer ms':>9} {'(wall)':>8} {'x tabpfn':>8}")
     print(head)
     print("-" * len(head))
@@ -562,7 +569,7 @@ def print_table(summary: dict, info: dict, train_shape: Shape, infer_shape: Shap
         spw = r["speedup_vs_tabpfn_wall"]
         isp = r["infer_speedup_vs_tabpfn_cpu"]
         print(
-            f"{r['preset']:6} {r['precision']:4} {r['model']:7} {r['params'] / 1e6:7.2f}M "
+            f"{r['preset']:6} {r['precision']:4} {r['model']:8} {r['params'] / 1e6:7.2f}M "
             f"{r['cells_per_s_cpu']:8,.0f} {r['cells_per_s_wall']:8,.0f} "
             f"{(f'{sp:.2f}x' if sp else '-'):>8} {(f'{spw:.2f}x' if spw else '-'):>6} "
             f"{100 * r['mfu_cpu']:6.1f} {100 * r['mfu_wall']:6.1f} "
@@ -571,7 +578,7 @@ def print_table(summary: dict, info: dict, train_shape: Shape, infer_shape: Shap
     print("cells/s, MFU and latency from process CPU time (min over rounds); '(wall)' from wall-clock time.")
     for g in summary["goals"]:
         sp = g["speedup_vs_tabpfn_cpu"]
-        msg = f"goal check {g['preset']:5} {g['precision']}: speed {('%.2fx' % sp) if sp else 'n/a'} vs >= {GOAL_SPEEDUP}x " \
+        msg = f"goal check {g['model']:8} {g['preset']:5} {g['precision']}: speed {('%.2fx' % sp) if sp else 'n/a'} vs >= {GOAL_SPEEDUP}x " \
               f"[{'met' if g['speedup_goal_met'] else ('n/a' if sp is None else 'MISSED')}]"
         if g["precision"] == "bf16":
             msg += f"; bf16 MFU {100 * g['mfu_cpu']:.1f} % vs >= {100 * GOAL_MFU_BF16:.0f} % [{'met' if g['mfu_goal_met'] else 'MISSED'}]"
@@ -673,6 +680,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="torch.profiler of one tiny bf16 train step (default on unless --quick)")
     ap.add_argument("--json", default=None, help=f"output JSON (default {DEFAULT_JSON.relative_to(ROOT)}; not written with --quick unless given)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cells-per-token", default="1",
+                    help="comma-separated ModelConfig.cells_per_token values to time side by side (e.g. 1,2,4)")
     return ap.parse_args(argv)
 
 
@@ -699,7 +708,9 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     machine = machine_info(args.threads)
     log(f"{machine['cpu_model']}, {args.threads} thread(s), torch {torch.__version__}, load {load_start[0]:.2f}")
-    cases, info = build_cases(presets, precisions, train_shape, infer_shape, reference, peak_n, args.seed)
+    cells_per_token = tuple(int(g) for g in args.cells_per_token.split(","))
+    cases, info = build_cases(presets, precisions, train_shape, infer_shape, reference, peak_n, args.seed,
+                              cells_per_token)
     log(f"{len(cases)} cases, reference: {info['reference']}")
 
     flop_checks = {}

@@ -34,8 +34,9 @@ def split(batch: TableBatch) -> tuple[TableBatch, TableBatch, TableBatch]:
 
 @pytest.mark.parametrize("thinking", [0, 2])
 @pytest.mark.parametrize("pad", [(0, 0), (3, 2)])
-def test_cached_context_equals_full_forward(thinking, pad):
-    m = model(n_thinking_rows=thinking)
+@pytest.mark.parametrize("cells_per_token", [1, 4])
+def test_cached_context_equals_full_forward(thinking, pad, cells_per_token):
+    m = model(n_thinking_rows=thinking, cells_per_token=cells_per_token)
     full, ctx, qry = split(make_batch(b=2, r=16, c=6, n_ctx=10, pad_rows=pad[0], pad_cols=pad[1]))
     with torch.inference_mode():
         ref = m(full, id_seed=5)

@@ -72,10 +72,16 @@ def max_diff(a: ModelOutput, b: ModelOutput) -> float:
     return max(float((x - y).detach().nan_to_num(0, 0, 0).abs().max()) for cell in da for x, y in zip(da[cell], db[cell]))
 
 
+@pytest.fixture(params=[1, 3], ids=["cell-tokens", "3-cells-per-token"])
+def G(request) -> int:
+    """ModelConfig.cells_per_token: every invariance must hold with cells packed into tokens too."""
+    return request.param
+
+
 # ------------------------------------------------------------------------- masking
 @torch.no_grad()
-def test_query_values_never_reach_the_forward_pass():
-    m, batch = model(), make_batch()
+def test_query_values_never_reach_the_forward_pass(G):
+    m, batch = model(cells_per_token=G), make_batch()
     out = m(batch)
     other = clone(batch)
     other.x[batch.query] = torch.randn(int(batch.query.sum())) * 100  # hidden values changed
@@ -86,8 +92,8 @@ def test_query_values_never_reach_the_forward_pass():
     assert max_diff(out, m(visible)) > 1e-3
 
 
-def test_query_values_never_reach_the_forward_pass_in_train_mode():
-    m, batch = model().train(), make_batch()
+def test_query_values_never_reach_the_forward_pass_in_train_mode(G):
+    m, batch = model(cells_per_token=G).train(), make_batch()
     torch.manual_seed(5)
     out = m(batch)
     other = clone(batch)
@@ -96,8 +102,8 @@ def test_query_values_never_reach_the_forward_pass_in_train_mode():
     assert_same_cells(out, m(other))
 
 
-def test_non_context_rows_do_not_influence_other_rows():
-    m, batch = model(), make_batch()
+def test_non_context_rows_do_not_influence_other_rows(G):
+    m, batch = model(cells_per_token=G), make_batch()
     out = m(batch)
     row = 11  # a non-context row (context = rows 0..8)
     other = clone(batch)
@@ -109,11 +115,12 @@ def test_non_context_rows_do_not_influence_other_rows():
     assert own and max(float((by_cell(out)[c][1] - by_cell(out2)[c][1]).detach().abs().max()) for c in own) > 1e-4
 
 
-def test_padding_changes_nothing():
-    m = model()
+def test_padding_changes_nothing(G):
+    m = model(cells_per_token=G)
     full = make_batch(b=2, r=14, c=5)
     # table 1 of `padded` = table 1 of `full` restricted to 7 rows x 3 columns, then padded with garbage
-    r_keep, c_keep = 7, 3  # fewer context rows than table 0 (9): key masks differ per table
+    r_keep, c_keep = 7, 4  # fewer context rows than table 0 (9): key masks differ per table; 4 columns: a
+    # token of 3 cells then holds valid and padding cells
     padded = clone(full)
     padded.row_valid[1, r_keep:] = False
     padded.context[1, r_keep:] = False
@@ -143,7 +150,7 @@ def test_padding_changes_nothing():
     assert_same_cells(out, m(padded2))
 
 
-def test_fully_padded_table_is_harmless():
+def test_fully_padded_table_is_harmless(G):
     batch = make_batch(b=2)
     batch.row_valid[1] = False
     batch.context[1] = False
@@ -152,7 +159,7 @@ def test_fully_padded_table_is_harmless():
     batch.kind[1] = 0
     batch.cardinality[1] = 0
     batch.validate()
-    m = model().train()
+    m = model(cells_per_token=G).train()
     out = m(batch)
     loss, _ = masked_cell_loss(out, batch)
     loss.backward()
@@ -162,8 +169,8 @@ def test_fully_padded_table_is_harmless():
 
 # -------------------------------------------------------------------- invariances
 @pytest.mark.parametrize("id_seed", [0, 12345])
-def test_column_permutation_invariance(id_seed):
-    m, batch = model(), make_batch(c=6)
+def test_column_permutation_invariance(id_seed, G):
+    m, batch = model(cells_per_token=G), make_batch(c=6)
     out = m(batch, id_seed=id_seed)
     perm = torch.tensor([3, 0, 5, 1, 4, 2])
     permuted = TableBatch(
@@ -187,9 +194,9 @@ def test_id_seed_draws_other_column_identities():
     assert max_diff(a, again) == 0.0
 
 
-def test_row_order_equivariance_and_interleaved_context():
+def test_row_order_equivariance_and_interleaved_context(G):
     """Context rows need not come first; permuting rows permutes predictions."""
-    m, batch = model(), make_batch()
+    m, batch = model(cells_per_token=G), make_batch()
     out = m(batch)
     perm = torch.randperm(batch.shape[1], generator=torch.Generator().manual_seed(3))
     permuted = TableBatch(
@@ -203,8 +210,8 @@ def test_row_order_equivariance_and_interleaved_context():
         torch.testing.assert_close(num, out_p[(b, new_r, c)][1], atol=1e-5, rtol=0)
 
 
-def test_query_row_independence():
-    m, batch = model(), make_batch()
+def test_query_row_independence(G):
+    m, batch = model(cells_per_token=G), make_batch()
     out = m(batch)
     keep = [r for r in range(batch.shape[1]) if r != 12]  # drop query row 12 (non-context)
     dropped = TableBatch(
@@ -221,8 +228,8 @@ def test_query_row_independence():
 
 
 # -------------------------------------------------------------------- determinism
-def test_determinism():
-    m, batch = model(), make_batch()
+def test_determinism(G):
+    m, batch = model(cells_per_token=G), make_batch()
     a, b = m(batch), m(batch)
     assert torch.equal(a.num_logits, b.num_logits) and torch.equal(a.cat_logits, b.cat_logits)
     m.train()
@@ -237,9 +244,9 @@ def test_determinism():
 
 
 # ---------------------------------------------------------------- loss & training
-def test_loss_is_finite_and_overfits_one_batch():
+def test_loss_is_finite_and_overfits_one_batch(G):
     torch.manual_seed(0)
-    m = TabFM(ModelConfig(**SMALL)).train()
+    m = TabFM(ModelConfig(**SMALL, cells_per_token=G)).train()
     batch = make_batch(b=2, r=24, c=4, n_ctx=16, seed=1)
     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
     losses = []
@@ -449,7 +456,7 @@ def test_hash_normal_is_standard_normal_and_deterministic():
     assert float((corr - torch.eye(20)).abs().max()) < 0.5
 
 
-def test_every_parameter_gets_a_gradient():
+def test_every_parameter_gets_a_gradient(G):
     """Data-parallel wrappers expect a gradient for every parameter, even when a batch has no
     categorical cells or the model no thinking rows."""
     for thinking in (0, 2):
@@ -457,7 +464,7 @@ def test_every_parameter_gets_a_gradient():
         batch.kind[:] = 1
         batch.cardinality[:] = 0
         batch.x = torch.randn_like(batch.x)
-        m = model(n_thinking_rows=thinking).train()
+        m = model(n_thinking_rows=thinking, cells_per_token=G).train()
         loss, _ = masked_cell_loss(m(batch.validate()), batch)
         loss.backward()
         assert [n for n, p in m.named_parameters() if p.grad is None] == []

@@ -72,6 +72,9 @@ def test_pipeline_layout_checks_without_processes():
     bad = type(plan)(n_layers=2, build_stage=lambda k, n: model.blocks[k], batch_tensors=plan.batch_tensors)
     with pytest.raises(ValueError, match="names the model's parameter"):
         split_stages(model, bad, 2)
+    packed = make_model(0, cells_per_token=2)
+    with pytest.raises(ValueError, match="pipeline stages need one token per cell"):
+        split_stages(packed, packed.parallel_plan().pipeline, 2)
 
 
 # --- the distributed scenarios -----------------------------------------------------------------

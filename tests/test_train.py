@@ -2,6 +2,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -125,3 +126,22 @@ def test_cli_pretrain_writes_an_export(tmp_path, capsys):
     assert config["format"] == "tabfm.model" and config["model"] == ModelConfig.preset("tiny").to_dict()
     assert "export" in capsys.readouterr().out
     assert main(["pretrain", "--preset", "smoke", "--steps", "0", "--out", str(out), "--quiet"]) == 2
+
+
+def test_cli_pretrain_packs_cells_into_tokens_and_exports_a_loadable_model(tmp_path):
+    """--cells-per-token 3: the export says so, estimators load it, and resuming with another value
+    is refused (the weights would not fit)."""
+    from sklearn.datasets import load_iris
+
+    from tabfm.estimators import TabFMClassifier
+
+    out = tmp_path / "run"
+    assert main(["pretrain", "--preset", "smoke", "--steps", "2", "--cells-per-token", "3", "--out", str(out),
+                 "--quiet", "--no-sklearn-eval"]) == 0
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["model"] == ModelConfig.preset("tiny", cells_per_token=3).to_dict()
+    X, y = load_iris(return_X_y=True)
+    proba = TabFMClassifier(model=str(out / "export"), n_estimators=1).fit(X[::2], y[::2]).predict_proba(X[1::2])
+    assert proba.shape == (75, 3) and np.allclose(proba.sum(1), 1)
+    with pytest.raises(ValueError, match="cells_per_token=3, this one has cells_per_token=1"):
+        pretrain(smoke(steps=3, eval_batches=0), out, progress=False)

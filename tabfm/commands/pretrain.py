@@ -32,13 +32,15 @@ _FIELDS = {
     "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "warmup_steps": int, "precision": str,
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
-    "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int,
+    "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
 }
 _HELP = {
     "data": "train on a table store directory (tabfm synth --out, data.store.write_table) instead of the "
             "synthetic stream",
     "data_cells_per_batch": "with --data: padded cells per batch and rank (default: the stream preset's)",
     "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
+    "cells_per_token": "cells of a row packed into one token (ModelConfig.cells_per_token; default 1): "
+                       "~1/G of the compute per cell",
 }
 
 

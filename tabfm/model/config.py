@@ -42,6 +42,11 @@ class ModelConfig:
     dropout                 dropout on attention weights and residual branches.
     norm_eps                RMSNorm epsilon.
     activation_checkpointing  recompute each block in backward (torch.utils.checkpoint).
+    cells_per_token         G: the blocks run on tokens of G cells of a row (TabPFN v2 packs 2),
+                            so attention and MLPs cost ~1/G per cell. Which cells share a token
+                            follows the columns' identity vectors (content-derived in eval mode,
+                            so predictions still do not depend on column order; random per step
+                            in training). 1 = one token per cell.
     """
 
     d_model: int = 96
@@ -57,6 +62,7 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     activation_checkpointing: bool = False
+    cells_per_token: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,7 +82,8 @@ class ModelConfig:
             if not ok:
                 raise ValueError(f"ModelConfig.{field_name} = {getattr(self, field_name)!r}: {what}")
 
-        for name in ("d_model", "n_layers", "n_heads", "max_categories", "n_bins", "id_dim", "n_thinking_rows"):
+        for name in ("d_model", "n_layers", "n_heads", "max_categories", "n_bins", "id_dim", "n_thinking_rows",
+                     "cells_per_token"):
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool), name, "must be an int")
         need(self.d_model >= 1, "d_model", "must be >= 1")
@@ -90,6 +97,7 @@ class ModelConfig:
         need(self.id_dim >= 1, "id_dim", "must be >= 1")
         need(self.code_ids in CODE_IDS, "code_ids", f"must be one of {', '.join(CODE_IDS)}")
         need(self.n_thinking_rows >= 0, "n_thinking_rows", "must be >= 0")
+        need(self.cells_per_token >= 1, "cells_per_token", "must be >= 1")
         need(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         need(self.norm_eps > 0, "norm_eps", "must be > 0")
         need(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be a bool")

@@ -48,6 +48,9 @@ class TabFMStage(nn.Module):
     def __init__(self, model: TabFM, k: int, n: int) -> None:
         super().__init__()
         layers = model.config.n_layers
+        if model.config.cells_per_token > 1:
+            raise ValueError(f"pipeline stages need one token per cell; this model packs "
+                             f"cells_per_token = {model.config.cells_per_token} cells per token")
         if not 0 <= k < n or layers % n:
             raise ValueError(f"stage {k} of {n}: the model's {layers} layers do not split into {n} equal stages")
         self.config = model.config

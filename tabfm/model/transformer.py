@@ -25,6 +25,7 @@ from .attention import KVCache
 from .block import TableBlock
 from .config import ModelConfig
 from .encoder import CellEncoder, ColumnFacts
+from .grouping import CellGrouper
 from .heads import BarDistribution, CategoricalHead, NumericHead
 
 
@@ -90,18 +91,20 @@ def _keys_first(batch: TableBatch) -> tuple[TableBatch, torch.Tensor | None]:
     return moved, pos
 
 
-def _attention_masks(batch: TableBatch, n_thinking: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+def _attention_masks(batch: TableBatch, n_thinking: int, col_valid: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
     """For a keys-first batch: the column-attention key mask (B*R', 1, 1, C) over R' = T + R
     rows, the number of leading key rows n_keys, and the row-attention key mask (B, n_keys).
+    `col_valid` (B, C): which token columns are real (default the batch's columns).
 
     Masks are None where nothing needs masking. The row-attention mask marks real keys only:
     a table with none (a fully padded table, or under row-sequence parallelism a table whose
     context rows all live on other ranks) has an all-False row, and `RowAttention` gives it
     one arbitrary key after gathering so attention stays finite (its outputs are unused).
     """
-    b, r, c = batch.shape
+    col_ok = (batch.col_valid if col_valid is None else col_valid).clone()
+    b, r, c = batch.shape[0], batch.shape[1], col_ok.shape[1]
     rows = n_thinking + r
-    col_ok = batch.col_valid.clone()
     col_ok[:, 0] |= ~col_ok.any(1)
     col_mask = None
     if not bool(col_ok.all()):
@@ -117,7 +120,8 @@ class TabFM(nn.Module):
     """Table foundation model. `forward(batch) -> ModelOutput` for the batch's query cells.
 
     Submodule names (used by `parallel_plan`): `encoder` (with `encoder.stats`),
-    `blocks.{i}.{col_attn,row_attn,mlp}`, `norm`, `num_head`, `cat_head`.
+    `blocks.{i}.{col_attn,row_attn,mlp}`, `norm`, `num_head`, `cat_head`, and with
+    `cells_per_token` > 1 `grouper` (tabfm/model/grouping.py).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -125,6 +129,7 @@ class TabFM(nn.Module):
         config.validate()
         self.config = config
         self.encoder = CellEncoder(config)
+        self.grouper = CellGrouper(config.d_model, config.cells_per_token) if config.cells_per_token > 1 else None
         self.blocks = nn.ModuleList(TableBlock(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.num_head = NumericHead(config.d_model, config.n_bins, config.bin_range)
@@ -154,14 +159,33 @@ class TabFM(nn.Module):
         if pos is not None:
             ri = pos[bi, ri]
         x, facts = self.encoder(batch, id_seed)
-        col_mask, n_keys, kv_mask = _attention_masks(batch, t)
+        x, col_valid, slots = self._tokens(x, batch, facts)
+        col_mask, n_keys, kv_mask = _attention_masks(batch, t, col_valid)
         use_ckpt = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if use_ckpt:
                 x = checkpoint(block, x, col_mask, n_keys, kv_mask, use_reentrant=False)
             else:
                 x = block(x, col_mask, n_keys, kv_mask)
-        return self._heads(x[bi, ri + t, ci], index, batch, facts)
+        return self._heads(self._query_states(x, bi, ri + t, ci, slots), index, batch, facts)
+
+    def _tokens(self, x: torch.Tensor, batch: TableBatch, facts: ColumnFacts
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Cell tokens -> the blocks' tokens: (tokens, which token columns are real, each column's
+        slot (B, C) or None when every cell is its own token)."""
+        if self.grouper is None:
+            return x, batch.col_valid, None
+        slots = self.grouper.slots(facts.col_vec, batch.col_valid)
+        tokens, valid = self.grouper.pack(x, slots, batch.col_valid)
+        return tokens, valid, slots
+
+    def _query_states(self, x: torch.Tensor, bi: torch.Tensor, ri: torch.Tensor, ci: torch.Tensor,
+                      slots: torch.Tensor | None) -> torch.Tensor:
+        """(N, d) final states of the cells (bi, ri, ci), ri counting the thinking rows."""
+        if slots is None:
+            return x[bi, ri, ci]
+        slot = slots[bi, ci]
+        return self.grouper.unpack(x[bi, ri, slot // self.config.cells_per_token], slot)
 
     def _heads(self, h: torch.Tensor, index: torch.Tensor, batch: TableBatch, facts: ColumnFacts) -> ModelOutput:
         """ModelOutput from the final tokens h (N, d) of the query cells at `index`."""
@@ -195,7 +219,8 @@ class TabFM(nn.Module):
         if bool(batch.query.any()) or not bool((batch.context | ~batch.row_valid).all()):
             raise ValueError("encode_context takes context rows only (no query cells, every valid row context)")
         x, facts = self.encoder(batch, id_seed)
-        col_mask, n_keys, kv_mask = _attention_masks(batch, self.config.n_thinking_rows)
+        x, col_valid, _ = self._tokens(x, batch, facts)
+        col_mask, n_keys, kv_mask = _attention_masks(batch, self.config.n_thinking_rows, col_valid)
         caches = [KVCache() for _ in self.blocks]
         for block, cache in zip(self.blocks, caches):
             x = block(x, col_mask, n_keys, kv_mask, cache)
@@ -215,10 +240,11 @@ class TabFM(nn.Module):
             raise ValueError("forward_queries takes non-context rows only; put context rows in encode_context")
         index = batch.query.nonzero()
         x = self.encoder.embed(batch, cache.facts, thinking=False)
-        col_mask = _attention_masks(batch, 0)[0]
+        x, col_valid, slots = self._tokens(x, batch, cache.facts)
+        col_mask = _attention_masks(batch, 0, col_valid)[0]
         for block, kv in zip(self.blocks, cache.kv):
             x = block(x, col_mask, 0, None, kv)
-        return self._heads(x[index[:, 0], index[:, 1], index[:, 2]], index, batch, cache.facts)
+        return self._heads(self._query_states(x, index[:, 0], index[:, 1], index[:, 2], slots), index, batch, cache.facts)
 
     def parallel_plan(self) -> ParallelPlan:
         """How the engine may split this model (see parallel/plan.py; pipeline stages: .pipeline)."""

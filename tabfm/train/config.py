@@ -18,6 +18,8 @@ class PretrainConfig:
     """A pretraining run on the synthetic stream or a table store. The command line overrides any field.
 
     model          ModelConfig preset name (tiny | small | base)
+    cells_per_token  ModelConfig.cells_per_token of the run's model (1: the preset's one token per
+                   cell; 2-4 pack cells of a row into tokens, ~1/G of the compute per cell)
     stream         StreamConfig preset name of the synthetic stream (with `data`: of the held-out
                    synthetic evaluation only)
     data           a table store directory (data.store.write_table, `tabfm synth --out`): when set,
@@ -58,6 +60,7 @@ class PretrainConfig:
     """
 
     model: str = "tiny"
+    cells_per_token: int = 1
     stream: str = "pretrain"
     data: str | None = None
     data_cells_per_batch: int | None = None
@@ -164,7 +167,7 @@ class PretrainConfig:
             if not ok:
                 raise ValueError(f"PretrainConfig.{name} = {getattr(self, name)!r}: {what}")
 
-        for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last"):
+        for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last", "cells_per_token"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("warmup_steps", "eval_batches", "seed", "workers"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")

@@ -104,8 +104,8 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
         saved = json.loads(saved_path.read_text())
-        for key in ("model", "stream", "seed", "optimizer"):
-            if saved.get(key) != getattr(cfg, key):
+        for key in ("model", "cells_per_token", "stream", "seed", "optimizer"):
+            if saved.get(key, 1 if key == "cells_per_token" else None) != getattr(cfg, key):
                 raise ValueError(
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
                     "use another --out or the same settings to resume"
@@ -177,7 +177,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     out = Path(out_dir)
     plug = plugin if plugin is not None else build_plugin(cfg)
     main = plug.is_main_process
-    model_cfg = ModelConfig.preset(cfg.model)
+    model_cfg = ModelConfig.preset(cfg.model, cells_per_token=cfg.cells_per_token)
     stream_cfg = StreamConfig.preset(cfg.stream)
     headers = store = None
     if cfg.data is not None:  # a store that is missing, empty or unreadable fails here, before anything is written
@@ -302,7 +302,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     ckpt = find_checkpoint(checkpoint)
     state = checkpoint_model_state(ckpt)
     train = run_train_config(ckpt, train_config)
-    model_cfg = ModelConfig.preset(train["model"])
+    model_cfg = ModelConfig.preset(train["model"], cells_per_token=train.get("cells_per_token", 1))
     model = TabFM(model_cfg)
     try:
         model.load_state_dict(state, strict=True)
