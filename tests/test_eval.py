@@ -861,3 +861,8 @@ def test_tabfm_params_reach_the_estimator_and_its_version():
     assert one.factory().detector.n_estimators == 1 and default.factory().detector.n_estimators == 4
     with pytest.raises(ValueError, match="no parameter.*'n_trees'"):
         tabfm_methods(params={"n_trees": 3})["anomaly"]["tabfm"]
+    # a parameter only some estimators take: fine for their tasks, an error naming the one that lacks it
+    quantile = tabfm_methods(params={"numeric": "quantile"}, tasks=("classification",))
+    assert list(quantile) == ["classification"] and quantile["classification"]["tabfm"].factory().numeric == "quantile"
+    with pytest.raises(ValueError, match="TabFMImputer has no parameter.*'numeric'"):
+        tabfm_methods(params={"numeric": "quantile"}, tasks=("imputation",))

@@ -38,9 +38,11 @@ def parse_params(text: str | None) -> dict[str, Any]:
     return params
 
 
-def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """The project's own methods per task, {task: {"tabfm": eval.runner.Method}}, for weights `model`;
-    `params` are passed to every estimator (a name one does not take is an error naming it).
+def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = None,
+                  tasks: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
+    """The project's own methods per task, {task: {"tabfm": eval.runner.Method}}, for weights `model`
+    and the given `tasks` (default all); `params` are passed to each task's estimator (a name it does
+    not take is an error naming it; e.g. `numeric` exists for classification and regression only).
 
     The estimators follow the contract in eval/protocols.py; the anomaly detector scores
     higher = more normal (sklearn), so it is flipped. The weights' hash is the method's version,
@@ -75,12 +77,9 @@ def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = Non
         version = {"tabfm": weights, "params": hashlib.sha256(repr(chosen).encode()).hexdigest()[:12]}
         return Method((lambda: wrap(make())) if wrap else make, version)
 
-    return {
-        "classification": {"tabfm": method(TabFMClassifier)},
-        "regression": {"tabfm": method(TabFMRegressor)},
-        "imputation": {"tabfm": method(TabFMImputer)},
-        "anomaly": {"tabfm": method(TabFMAnomalyDetector, Negated)},
-    }
+    estimators = {"classification": (TabFMClassifier,), "regression": (TabFMRegressor,),
+                  "imputation": (TabFMImputer,), "anomaly": (TabFMAnomalyDetector, Negated)}
+    return {task: {"tabfm": method(*how)} for task, how in estimators.items() if tasks is None or task in tasks}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--task is required (classification, regression, imputation or anomaly)")
     from eval.runner import evaluate
 
-    extras = tabfm_methods(args.model, parse_params(args.tabfm_params)).get(args.task, {}) \
+    extras = tabfm_methods(args.model, parse_params(args.tabfm_params), (args.task,)).get(args.task, {}) \
         if args.methods != "baselines" else {}
     methods = select_methods(args.task, args.methods, threads=args.threads, extras=extras)
     suite = _suite_dir(args.task, args.suite)
