@@ -46,11 +46,11 @@ class CellGrouper(nn.Module):
         if pad:
             cells = torch.nn.functional.pad(cells, (0, 0, 0, pad))
             valid = torch.nn.functional.pad(valid, (0, pad))
-        tokens = self.pack_proj(cells.reshape(b, r, t, self.g * d))
+        tokens = self.pack_proj(cells.reshape(b, r, t, self.g * d)).to(x.dtype)  # the residual stream keeps x's dtype
         return tokens, valid.view(b, t, self.g).any(-1)
 
     def unpack(self, h: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """(N, d) representation of N cells from their tokens' final states h (N, d) and slots (N,)."""
         n, d = h.shape
-        out = self.unpack_proj(h).view(n, self.g, d)
+        out = self.unpack_proj(h).to(h.dtype).view(n, self.g, d)
         return out[torch.arange(n, device=h.device), slot % self.g]
