@@ -839,8 +839,8 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     before = tabfm_methods()["classification"]["tabfm"].version
     assert set(before) == {"tabfm", "params"}
     defaults = SupervisedTabFMEstimator.__init__.__defaults__
-    assert defaults[-1] == "ordinal"
-    monkeypatch.setattr(SupervisedTabFMEstimator.__init__, "__defaults__", defaults[:-1] + ("identity",))
+    assert defaults[-2:] == ("ordinal", "raw")  # categorical, numeric
+    monkeypatch.setattr(SupervisedTabFMEstimator.__init__, "__defaults__", defaults[:-2] + ("identity", "raw"))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
 
