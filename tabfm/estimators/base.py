@@ -238,7 +238,8 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  encoder), "quantile" (normal scores of their ranks among the member's context rows,
                  so skew and outliers vanish), or "mixed" (members alternate raw / quantile and the
                  ensemble averages both views). With the shipped weights the three are within
-                 0.002 mean ROC-AUC of each other on the public suite (BENCHMARKS.md).
+                 0.004 mean ROC-AUC of each other on the public suite's 9 hardest datasets
+                 (BENCHMARKS.md).
     Other parameters: see TabFMEstimator.
     """
 
