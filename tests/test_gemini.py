@@ -59,8 +59,9 @@ def data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1].sin() + 0.1 * torch.randn(48, 1, generator=g)
 
 
-def train(booster: Booster, model: nn.Module, opt, steps: int, clip: float = 0.5, start: int = 0):
-    x, y = data()
+def train(booster: Booster, model: nn.Module, opt, steps: int, clip: float = 0.5, start: int = 0,
+          device: str = "cpu"):
+    x, y = (t.to(device) for t in data())
     losses, norms = [], []
     for s in range(start, start + steps):
         xs, ys = x.roll(s, 0), y.roll(s, 0)
@@ -73,12 +74,23 @@ def train(booster: Booster, model: nn.Module, opt, steps: int, clip: float = 0.5
     return losses, norms
 
 
-def reference(steps: int = 5, groups: bool = False):
-    booster = Booster(SingleProcessPlugin("cpu"))
+def reference(steps: int = 5, groups: bool = False, device: str = "cpu"):
+    """Losses, clipped-gradient norms and final state (on CPU) of the plain single-process run."""
+    booster = Booster(SingleProcessPlugin(device))
     m = make_model()
     model, opt, *_ = booster.boost(m, make_opt(m, groups))
-    losses, norms = train(booster, model, opt, steps)
-    return losses, norms, {k: v.clone() for k, v in m.state_dict().items()}
+    losses, norms = train(booster, model, opt, steps, device=device)
+    return losses, norms, {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+
+
+def assert_matches(ref, losses, norms, model: nn.Module, tol: dict | None = None) -> None:
+    """Losses, clipped-gradient norms and final parameters equal the reference run's (`reference()`)."""
+    tol = TOL if tol is None else tol
+    ref_losses, ref_norms, ref_state = ref
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **tol)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v.detach().cpu(), ref_state[k], **tol)
 
 
 CONFIGS = {
@@ -105,11 +117,8 @@ def test_matches_single_process_reference(name):
     plugin, booster, m, model, opt = gemini(budget=None, **CONFIGS[name])
     try:
         losses, norms = train(booster, model, opt, 5)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
+        assert_matches((ref_losses, ref_norms, ref_state), losses, norms, m)
         assert ref_norms[0] > 0.5  # clipping really happened
-        for k, v in m.state_dict().items():
-            torch.testing.assert_close(v, ref_state[k], **TOL)
         rep = plugin.memory_report()
         assert rep["n_chunks"] >= 4
         if "disk" in name or name == "mix":

@@ -15,7 +15,7 @@ import torch
 from parallel import Booster, DeviceBudgetError, GeminiPlugin
 from parallel.gemini import AutoPolicy, LRUPolicy
 from parallel.gemini.placement import belady_fetches, device_optim_chunks
-from tests.test_gemini import TOL, make_model, make_opt, reference, train
+from tests.test_gemini import TOL, assert_matches, make_model, make_opt, reference, train
 
 CHUNK = 2048
 
@@ -55,10 +55,7 @@ def test_auto_matches_reference_within_budget(cfg):
     plugin, booster, m, model, opt = auto(budget=budget, **cfg)
     try:
         losses, norms = train(booster, model, opt, 5)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
-        for k, v in m.state_dict().items():
-            torch.testing.assert_close(v, ref_state[k], **TOL)
+        assert_matches((ref_losses, ref_norms, ref_state), losses, norms, m)
         rep = plugin.memory_report()
         assert rep["policy"] == "auto" and set(rep["param_tiers"]) == {"host"} and n_chunks >= 4
         assert rep["non_model_bytes"] == non_model
@@ -99,10 +96,7 @@ def test_auto_places_optimizer_state_in_the_budget_left_over(extra, tmp_path):
         disk = list(range(n - n_disk, n))
         assert plugin.memory_report()["optim_tiers"] == ["host"] * (n - n_disk) + ["disk"] * n_disk  # warm-up
         losses, norms = train(booster, model, opt, 5)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
-        for k, v in m.state_dict().items():
-            torch.testing.assert_close(v, ref_state[k], **TOL)
+        assert_matches((ref_losses, ref_norms, ref_state), losses, norms, m)
         rep = plugin.memory_report()
         k = min(extra, n)
         promoted = (disk + list(range(n - n_disk)))[:k]  # disk chunks first, then host, in step order

@@ -21,10 +21,10 @@ import pytest
 import torch
 from torch import nn
 
-from parallel import Booster, GeminiPlugin, SingleProcessPlugin
+from parallel import Booster, GeminiPlugin
 from parallel.gemini import plugin as plugin_mod
 from parallel.gemini.tiers import DeviceTier, resolve_device
-from tests.test_gemini import CONFIGS, TOL, data, make_model, make_opt, reference, train
+from tests.test_gemini import CONFIGS, assert_matches, make_model, make_opt, reference, train
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -129,10 +129,7 @@ def test_cuda_control_flow_on_cpu_equals_reference(monkeypatch, name):
     model, opt, *_ = booster.boost(m, make_opt(m))
     try:
         losses, norms = train(booster, model, opt, 5)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
-        for k, v in m.state_dict().items():
-            torch.testing.assert_close(v, ref_state[k], **TOL)
+        assert_matches((ref_losses, ref_norms, ref_state), losses, norms, m)
         tier, mgr = plugin.manager.tier, plugin.manager
         assert tier.write_backs > 0 and not mgr.pending  # host gradients went back and were all drained
         assert len(tier.recorded) == mgr.fetches and set(map(id, tier.waited)) == set(map(id, tier.recorded))
@@ -147,42 +144,18 @@ def test_cuda_control_flow_on_cpu_equals_reference(monkeypatch, name):
 CUDA_TOL = dict(atol=2e-5, rtol=2e-5)  # fused CUDA Adam vs torch's foreach CUDA Adam: float rounding
 
 
-def cuda_reference(steps: int = 5):
-    booster = Booster(SingleProcessPlugin("cuda"))
-    m = make_model()
-    model, opt, *_ = booster.boost(m, make_opt(m))
-    losses, norms = train_cuda(booster, model, opt, steps)
-    return losses, norms, {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-
-
-def train_cuda(booster, model, opt, steps: int, clip: float = 0.5):
-    x, y = (t.cuda() for t in data())
-    losses, norms = [], []
-    for s in range(steps):
-        loss = nn.functional.mse_loss(model(x.roll(s, 0)), y.roll(s, 0))
-        booster.backward(loss, opt)
-        norms.append(float(booster.clip_grad_norm_(opt, clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, norms
-
-
 @needs_cuda
 @pytest.mark.parametrize("name", [*CONFIGS, "auto"])
 def test_cuda_matches_no_offload_reference(name):
-    ref_losses, ref_norms, ref_state = cuda_reference()
+    ref_losses, ref_norms, ref_state = reference(device="cuda")
     cfg = dict(placement="auto", disk_optim_frac=0.5) if name == "auto" else CONFIGS[name]
     plugin = GeminiPlugin(device="cuda", chunk_size=2048, **cfg)
     booster = Booster(plugin)
     m = make_model()
     model, opt, *_ = booster.boost(m, make_opt(m))
     try:
-        losses, norms = train_cuda(booster, model, opt, 5)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **CUDA_TOL)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **CUDA_TOL)
-        for k, v in m.state_dict().items():
-            torch.testing.assert_close(v.detach().cpu(), ref_state[k], **CUDA_TOL)
+        losses, norms = train(booster, model, opt, 5, device="cuda")
+        assert_matches((ref_losses, ref_norms, ref_state), losses, norms, m, CUDA_TOL)
         for c in plugin.manager.chunks:  # each shard really lives in its tier
             assert c.master.is_cuda == (c.param_tier == "device")
             assert c.master.is_cuda or c.master.is_pinned()

@@ -28,18 +28,18 @@ class CellGrouper(nn.Module):
         self.pack_proj = nn.Linear(cells_per_token * d_model, d_model, bias=False)
         self.unpack_proj = nn.Linear(d_model, cells_per_token * d_model, bias=False)
 
-    def slots(self, col_vec: torch.Tensor, col_valid: torch.Tensor) -> torch.Tensor:
-        """long (B, C): each column's slot, valid columns first in identity order (stable)."""
+    def layout(self, col_vec: torch.Tensor, col_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """long (B, C) each: (the column at each slot, each column's slot); valid columns first, in
+        identity order (stable)."""
         key = torch.where(col_valid, col_vec[..., 0].float(), float("inf"))
-        order = torch.argsort(key, dim=1, stable=True)  # the column at each slot
+        order = torch.argsort(key, dim=1, stable=True)
         ar = torch.arange(order.shape[1], device=order.device).expand_as(order)
-        return torch.empty_like(order).scatter_(1, order, ar)
+        return order, torch.empty_like(order).scatter_(1, order, ar)
 
-    def pack(self, x: torch.Tensor, slots: torch.Tensor, col_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens (B, R, T, d), token_valid (B, T)) from cell tokens x (B, R, C, d)."""
+    def pack(self, x: torch.Tensor, order: torch.Tensor, col_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (B, R, T, d), token_valid (B, T)) from cell tokens x (B, R, C, d), columns in `order`."""
         b, r, c, d = x.shape
         t = math.ceil(c / self.g)
-        order = torch.argsort(slots, dim=1)  # inverse permutation: column at each slot
         valid = col_valid.gather(1, order)  # (B, C) in slot order
         cells = x.gather(2, order[:, None, :, None].expand(b, r, c, d)) * valid[:, None, :, None].to(x.dtype)
         pad = t * self.g - c

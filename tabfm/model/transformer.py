@@ -175,8 +175,8 @@ class TabFM(nn.Module):
         slot (B, C) or None when every cell is its own token)."""
         if self.grouper is None:
             return x, batch.col_valid, None
-        slots = self.grouper.slots(facts.col_vec, batch.col_valid)
-        tokens, valid = self.grouper.pack(x, slots, batch.col_valid)
+        order, slots = self.grouper.layout(facts.col_vec, batch.col_valid)
+        tokens, valid = self.grouper.pack(x, order, batch.col_valid)
         return tokens, valid, slots
 
     def _query_states(self, x: torch.Tensor, bi: torch.Tensor, ri: torch.Tensor, ci: torch.Tensor,
