@@ -31,6 +31,11 @@ _SHAPE, _TABLE, _RAW = 0, 1, 2
 _SHAPE_TRIES = 64
 
 
+# the wide CPU stages (pretrain-wide, pretrain-mixed): tables up to 1024 x 64
+_WIDE = dict(min_rows=64, max_rows=1024, min_cols=2, max_cols=64, max_cells=16384, row_quantum=32,
+             cells_per_batch=32768, max_batch=32, classification=0.6, regression=0.2, imputation=0.2)
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     """Sizes, batching and episode mix of a synthetic stream (the prior is `prior`).
@@ -68,9 +73,10 @@ class StreamConfig:
                          row_quantum=32, cells_per_batch=16384, max_batch=32,
                          classification=0.6, regression=0.2, imputation=0.2),
         # a longer CPU stage from pretrained weights: tables up to 1024 x 64 (wide, long contexts)
-        "pretrain-wide": dict(min_rows=64, max_rows=1024, min_cols=2, max_cols=64, max_cells=16384,
-                              row_quantum=32, cells_per_batch=32768, max_batch=32,
-                              classification=0.6, regression=0.2, imputation=0.2),
+        "pretrain-wide": _WIDE,
+        # pretrain-wide with up to all features categorical (the default prior stops at half):
+        # categorical-heavy tables such as tic-tac-toe or german credit
+        "pretrain-mixed": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0))},
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),

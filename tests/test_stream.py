@@ -113,7 +113,7 @@ def test_loader_with_workers_resumes_exactly():
 
 
 # ------------------------------------------------------------------- bucketing
-@pytest.mark.parametrize("preset", ["tiny", "small", "default", "large"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "default", "large", "pretrain-wide", "pretrain-mixed"])
 def test_buckets(preset):
     cfg = StreamConfig.preset(preset)
     lo, hi = cfg.row_range
@@ -131,6 +131,20 @@ def test_buckets(preset):
         shapes.add((b.rows, b.cols))
     assert len(shapes) > 20  # sizes really vary
     assert bucket_at(cfg, 1, 17) == bucket_at(cfg, 1, 17)
+
+
+def test_pretrain_mixed_draws_categorical_heavy_tables():
+    """pretrain-mixed: up to every feature categorical; the default prior stops at half."""
+    from synth.prior import sample_table
+
+    def shares(preset: str) -> np.ndarray:
+        prior, rng = StreamConfig.preset(preset).prior, np.random.default_rng(0)
+        tables = [sample_table(prior, rng, 64, 11) for _ in range(150)]
+        return np.array([(t.kind[: t.target] == CATEGORICAL).mean() for t in tables])
+
+    wide, mixed = shares("pretrain-wide"), shares("pretrain-mixed")
+    assert wide.max() <= 0.5 + 1e-9
+    assert (mixed > 0.5).mean() > 0.25 and mixed.max() == 1.0
 
 
 def test_batches_have_bucket_shape_on_every_rank():

@@ -33,6 +33,7 @@ _FIELDS = {
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
     "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
+    "n_layers": int,
 }
 _HELP = {
     "data": "train on a table store directory (tabfm synth --out, data.store.write_table) instead of the "
@@ -41,6 +42,9 @@ _HELP = {
     "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
     "cells_per_token": "cells of a row packed into one token (ModelConfig.cells_per_token; default 1): "
                        "~1/G of the compute per cell",
+    "n_layers": "blocks of the model (default: the preset's); with --init from a model with fewer blocks, "
+                "its blocks are repeated, the repeats starting as identity (a deeper model that starts "
+                "as the trained one)",
 }
 
 

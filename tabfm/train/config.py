@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tabfm.model import ModelConfig
 from tabfm.train.optim import OPTIMIZERS
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -20,6 +21,9 @@ class PretrainConfig:
     model          ModelConfig preset name (tiny | small | base)
     cells_per_token  ModelConfig.cells_per_token of the run's model (1: the preset's one token per
                    cell; 2-4 pack cells of a row into tokens, ~1/G of the compute per cell)
+    n_layers       blocks of the run's model (None: the preset's). With `init` from a model with
+                   fewer blocks, its blocks are repeated, the repeats starting as identity
+                   (tabfm.model.growth): the deeper model starts as the trained function
     stream         StreamConfig preset name of the synthetic stream (with `data`: of the held-out
                    synthetic evaluation only)
     data           a table store directory (data.store.write_table, `tabfm synth --out`): when set,
@@ -61,6 +65,7 @@ class PretrainConfig:
 
     model: str = "tiny"
     cells_per_token: int = 1
+    n_layers: int | None = None
     stream: str = "pretrain"
     data: str | None = None
     data_cells_per_batch: int | None = None
@@ -169,6 +174,8 @@ class PretrainConfig:
 
         for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last", "cells_per_token"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        need(self.n_layers is None or (isinstance(self.n_layers, int) and self.n_layers >= 1), "n_layers",
+             "must be None (the preset's) or an integer >= 1")
         for name in ("warmup_steps", "eval_batches", "seed", "workers"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
@@ -192,3 +199,11 @@ class PretrainConfig:
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
                  "must be None or an integer >= 1")
+
+
+def run_model_config(train: "PretrainConfig | dict[str, Any]") -> ModelConfig:
+    """The ModelConfig a run trains: its preset with the run's cells_per_token and n_layers
+    (`train` may be the dict a run saved in train_config.json, older ones lacking those keys)."""
+    t = train.to_dict() if isinstance(train, PretrainConfig) else train
+    extra = {"n_layers": t["n_layers"]} if t.get("n_layers") is not None else {}
+    return ModelConfig.preset(t["model"], cells_per_token=t.get("cells_per_token", 1), **extra)

@@ -31,7 +31,8 @@ from data.table_episodes import EpisodeConfig
 from synth.dataset import SynthDataset, SynthLoader
 from synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
-from tabfm.train.config import PretrainConfig
+from tabfm.model.growth import grow_depth
+from tabfm.train.config import PretrainConfig, run_model_config
 from tabfm.train.evaluate import sklearn_eval, synthetic_eval
 from tabfm.train.optim import build_optimizer, warmup_cosine
 from tabfm.train.trainer import Trainer, TrainResult
@@ -104,7 +105,7 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
         saved = json.loads(saved_path.read_text())
-        for key in ("model", "cells_per_token", "stream", "seed", "optimizer"):
+        for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer"):
             if saved.get(key, 1 if key == "cells_per_token" else None) != getattr(cfg, key):
                 raise ValueError(
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
@@ -158,15 +159,21 @@ def announce_resume(out: Path, trainer: Trainer, plugin: Plugin, seed: int) -> N
 # --------------------------------------------------------------------------- pretraining
 
 def warm_start(model: TabFM, init: str) -> None:
-    """Copy weights from an export (path or shipped name) into `model`; the model configs must agree."""
+    """Copy weights from an export (path or shipped name) into `model`; the model configs must agree,
+    except that `model` may have more blocks: then the init's blocks are repeated (tabfm.model.growth)."""
     from tabfm.weights import resolve_model_path  # the estimator-side loader knows shipped names
 
     path = resolve_model_path(init)
     state, header = load_exported(path)
-    theirs = ModelConfig.from_dict(header["model"]).to_dict() if "model" in header else None
-    if theirs != model.config.to_dict():
-        diff = {k: (v, (theirs or {}).get(k)) for k, v in model.config.to_dict().items() if (theirs or {}).get(k) != v}
-        raise ValueError(f"--init {init}: its model config differs from this run's (field: (this run, init)): {diff}")
+    theirs = ModelConfig.from_dict(header["model"]).to_dict() if "model" in header else {}
+    ours = model.config.to_dict()
+    diff = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
+    if set(diff) == {"n_layers"} and theirs["n_layers"] < ours["n_layers"]:
+        state = grow_depth(state, theirs["n_layers"], ours["n_layers"])
+    elif diff:
+        raise ValueError(f"--init {init}: its model config differs from this run's (field: (this run, init)): {diff}"
+                         + ("; only a deeper run (--n-layers above the init's) can start from it" if "n_layers" in diff
+                            else ""))
     model.load_state_dict(state, strict=True)
 
 
@@ -177,7 +184,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     out = Path(out_dir)
     plug = plugin if plugin is not None else build_plugin(cfg)
     main = plug.is_main_process
-    model_cfg = ModelConfig.preset(cfg.model, cells_per_token=cfg.cells_per_token)
+    model_cfg = run_model_config(cfg)
     stream_cfg = StreamConfig.preset(cfg.stream)
     headers = store = None
     if cfg.data is not None:  # a store that is missing, empty or unreadable fails here, before anything is written
@@ -302,7 +309,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     ckpt = find_checkpoint(checkpoint)
     state = checkpoint_model_state(ckpt)
     train = run_train_config(ckpt, train_config)
-    model_cfg = ModelConfig.preset(train["model"], cells_per_token=train.get("cells_per_token", 1))
+    model_cfg = run_model_config(train)
     model = TabFM(model_cfg)
     try:
         model.load_state_dict(state, strict=True)
