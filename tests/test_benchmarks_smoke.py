@@ -168,3 +168,22 @@ def test_inference_cache_quick(tmp_path):
     data, stdout = _run_benchmark("inference_cache", [], tmp_path, timeout_s=300)
     assert "speed-up" in stdout and data["rows"]
     assert all(r["max_abs_diff"] < 1e-4 and r["cached_s"] > 0 for r in data["rows"])
+
+
+def test_heldout_loss_compares_exports_on_the_same_batches(tmp_path, monkeypatch):
+    """benchmarks/heldout_loss.py: one row per model and stream, equal to synthetic_eval by hand."""
+    from synth.stream import StreamConfig
+    from tabfm.train.evaluate import synthetic_eval
+    from tabfm.weights import load_model
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("heldout_loss", ROOT / "benchmarks" / "heldout_loss.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["--models", "tabfm-tiny,tabfm-tiny", "--streams", "tiny", "--batches", "2",
+                       "--json", str(tmp_path / "h.json")])
+    rows = json.loads((tmp_path / "h.json").read_text())["rows"]
+    assert len(rows) == len(out["rows"]) == 2 and rows[0]["loss"] == rows[1]["loss"]
+    with torch.no_grad():
+        want = synthetic_eval(StreamConfig.preset("tiny"), 0, 2)(load_model("tabfm-tiny").eval())
+    assert math.isclose(rows[0]["loss"], want["loss"], rel_tol=1e-6)

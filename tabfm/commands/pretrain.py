@@ -42,6 +42,8 @@ _HELP = {
     "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
     "cells_per_token": "cells of a row packed into one token (ModelConfig.cells_per_token; default 1): "
                        "~1/G of the compute per cell",
+    "stream": "StreamConfig preset of the synthetic stream (tiny, small, pretrain, pretrain-wide, "
+              "pretrain-mixed, default, large)",
     "n_layers": "blocks of the model (default: the preset's); with --init from a model with fewer blocks, "
                 "its blocks are repeated, the repeats starting as identity (a deeper model that starts "
                 "as the trained one)",
