@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"| {r['model']} | {r['layers']} | {r['stream']} | {r['loss']:.4f} | {r['cat_nll']:.4f} | "
               f"{r['cat_acc']:.4f} | {r['num_nll']:.4f} | {r['cpu_s']:.0f} |")
-    out = {"args": vars(args), "machine": machine_info(), "rows": rows}
+    machine = {k: v for k, v in machine_info().items() if k not in ("backend", "torch_threads_per_rank")}
+    out = {"args": vars(args), "machine": {**machine, "torch_threads": args.threads}, "rows": rows}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {args.json}")

@@ -42,8 +42,6 @@ _HELP = {
     "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
     "cells_per_token": "cells of a row packed into one token (ModelConfig.cells_per_token; default 1): "
                        "~1/G of the compute per cell",
-    "stream": "StreamConfig preset of the synthetic stream (tiny, small, pretrain, pretrain-wide, "
-              "pretrain-mixed, default, large)",
     "n_layers": "blocks of the model (default: the preset's); with --init from a model with fewer blocks, "
                 "its blocks are repeated, the repeats starting as identity (a deeper model that starts "
                 "as the trained one)",
@@ -80,6 +78,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         kwargs = {"choices": OPTIMIZERS} if name == "optimizer" else {"choices": PRECISIONS} if name == "precision" else {}
         if name in _HELP:
             kwargs["help"] = _HELP[name]
+        if name == "stream":
+            from synth.stream import StreamConfig  # the preset names, one source
+
+            kwargs["help"] = f"StreamConfig preset of the synthetic stream: {', '.join(StreamConfig.PRESETS)}"
         p.add_argument(flag, dest=name, type=typ, default=None, **kwargs)
     return p
 

@@ -32,6 +32,8 @@ CORPUS_SOURCE = "tabfm synth"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from synth.stream import StreamConfig  # the preset names, one source
+
     p = subparsers.add_parser(
         "synth",
         help="generate and summarise the synthetic-table stream, or write a synthetic corpus",
@@ -42,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batches", type=int, default=None, help=f"batches to generate (default {DEFAULT_BATCHES})")
     p.add_argument("--out", metavar="DIR", help="write a corpus of raw tables to this table store (with --tables)")
     p.add_argument("--tables", type=int, help="tables in the corpus written to --out (resumes what is there)")
-    p.add_argument("--preset", default="default", help="StreamConfig preset: default, small, tiny, pretrain, pretrain-wide, pretrain-mixed, large")
+    p.add_argument("--preset", default="default", help=f"StreamConfig preset: {', '.join(StreamConfig.PRESETS)}")
     p.add_argument("--rows", metavar="MIN:MAX", help="rows per table (overrides the preset)")
     p.add_argument("--cols", metavar="MIN:MAX", help="columns per table, target included (overrides the preset)")
     p.add_argument("--max-cells", type=int, help="cap on rows x columns of one table")

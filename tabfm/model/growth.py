@@ -26,16 +26,19 @@ def source_blocks(old_layers: int, new_layers: int) -> list[int]:
 def grow_depth(state: dict[str, torch.Tensor], old_layers: int, new_layers: int) -> dict[str, torch.Tensor]:
     """A state dict for `new_layers` blocks computing the same function as `state` (`old_layers` blocks)."""
     src = source_blocks(old_layers, new_layers)
-    out = {k: v for k, v in state.items() if not _BLOCK.match(k)}
-    present = {int(m.group(1)) for m in map(_BLOCK.match, state) if m}
-    if present != set(range(old_layers)):
-        raise ValueError(f"the weights hold blocks {sorted(present)}, not 0..{old_layers - 1}")
+    out: dict[str, torch.Tensor] = {}
+    blocks: dict[int, dict[str, torch.Tensor]] = {}  # block index -> its parameters by name within the block
+    for key, value in state.items():
+        m = _BLOCK.match(key)
+        if m:
+            blocks.setdefault(int(m.group(1)), {})[m.group(2)] = value
+        else:
+            out[key] = value
+    if set(blocks) != set(range(old_layers)):
+        raise ValueError(f"the weights hold blocks {sorted(blocks)}, not 0..{old_layers - 1}")
     for i, j in enumerate(src):
         repeat = i > 0 and src[i - 1] == j
-        for key, value in state.items():
-            m = _BLOCK.match(key)
-            if m and int(m.group(1)) == j:
-                name = m.group(2)
-                zero = repeat and name in RESIDUAL_OUTPUTS
-                out[f"blocks.{i}.{name}"] = torch.zeros_like(value) if zero else value.clone()
+        for name, value in blocks[j].items():
+            zero = repeat and name in RESIDUAL_OUTPUTS
+            out[f"blocks.{i}.{name}"] = torch.zeros_like(value) if zero else value.clone()
     return out

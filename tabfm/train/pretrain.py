@@ -171,9 +171,9 @@ def warm_start(model: TabFM, init: str) -> None:
     if set(diff) == {"n_layers"} and theirs["n_layers"] < ours["n_layers"]:
         state = grow_depth(state, theirs["n_layers"], ours["n_layers"])
     elif diff:
-        raise ValueError(f"--init {init}: its model config differs from this run's (field: (this run, init)): {diff}"
-                         + ("; only a deeper run (--n-layers above the init's) can start from it" if "n_layers" in diff
-                            else ""))
+        hint = "; only a deeper run (--n-layers above the init's) can start from it" if "n_layers" in diff else ""
+        raise ValueError(f"--init {init}: its model config differs from this run's (field: (this run, init)): "
+                         f"{diff}{hint}")
     model.load_state_dict(state, strict=True)
 
 
