@@ -108,6 +108,9 @@ def labels(n: int = 60, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed + 1).choice(["zebra", "apple", "mango"], n)
 
 
+NATIVE = dict(multiclass="native", n_neighbors=0)  # one n-way pass over the table's own columns
+
+
 def make(cls, model, **kw):
     return cls(model=model, n_estimators=kw.pop("n_estimators", 2), random_state=kw.pop("random_state", 0), **kw)
 
@@ -210,7 +213,8 @@ def test_class_permutation_is_undone(export_dir):
     """One member, a non-identity class permutation: P(class c) = the model's P(code perm[c])."""
     X, y = frame(), labels()
     for seed in range(20):
-        clf = make(TabFMClassifier, export_dir, n_estimators=1, random_state=seed, categorical="identity").fit(X, y)
+        clf = make(TabFMClassifier, export_dir, n_estimators=1, random_state=seed, categorical="identity",
+                   **NATIVE).fit(X, y)
         (m,) = clf._members(cover_all=False, n_classes=3)
         if (m.class_perm != np.arange(3)).any():
             break
@@ -232,7 +236,7 @@ def test_permutations_undone_with_stub_model():
     X, y = frame(), labels()
     stub = StubModel()
     for seed in range(50):
-        clf = TabFMClassifier(model=stub, n_estimators=1, random_state=seed).fit(X, y)
+        clf = TabFMClassifier(model=stub, n_estimators=1, random_state=seed, **NATIVE).fit(X, y)
         (m,) = clf._members(cover_all=False, n_classes=3)
         if _not_self_inverse(m.class_perm):
             break
@@ -261,7 +265,7 @@ def test_categorical_features_reach_the_model_as_the_mode_says(mode):
 
     X, y = frame(), labels()
     stub = StubModel()
-    clf = TabFMClassifier(model=stub, n_estimators=1, random_state=3, categorical=mode).fit(X, y)
+    clf = TabFMClassifier(model=stub, n_estimators=1, random_state=3, categorical=mode, **NATIVE).fit(X, y)
     (m,) = clf._members(cover_all=False, n_classes=3)
     clf.predict_proba(X)
     batch = stub.batches[-1]
@@ -303,7 +307,7 @@ def test_numeric_features_reach_the_model_as_the_mode_says(numeric):
 
     X, y = frame(), labels()
     stub = StubModel()
-    clf = TabFMClassifier(model=stub, n_estimators=2, random_state=3, numeric=numeric).fit(X, y)
+    clf = TabFMClassifier(model=stub, n_estimators=2, random_state=3, numeric=numeric, **NATIVE).fit(X, y)
     members = clf._members(cover_all=False, n_classes=3)
     assert [m.numeric for m in members] == {"raw": ["raw"] * 2, "quantile": ["quantile"] * 2,
                                             "mixed": ["raw", "quantile"]}[numeric]
@@ -358,8 +362,9 @@ def test_context_rows_and_columns_above_the_limits(export_dir):
     assert len(set(contexts)) == 3  # each member draws its own rows
     stub.batches.clear()  # more feature columns than max_columns: a random subset per member
     TabFMClassifier(model=stub, n_estimators=4, random_state=0, max_columns=2).fit(X, y).predict(X[:10])
-    subsets = [tuple(b.x[0, 0, :-1].tolist()) for b in stub.batches]
-    assert all(b.shape[2] == 3 for b in stub.batches) and len(set(subsets)) > 1
+    subsets = [tuple(b.x[0, 0, :-2].tolist()) for b in stub.batches]
+    # 2 feature columns + the neighbour share (on top of max_columns) + the target
+    assert all(b.shape[2] == 4 for b in stub.batches) and len(set(subsets)) > 1
     full = make(TabFMRegressor, export_dir).fit(X, X["a"]).predict(X[:10])
     sub = make(TabFMRegressor, export_dir, max_context_rows=30).fit(X, X["a"]).predict(X[:10])
     assert not np.allclose(full, sub)

@@ -73,7 +73,8 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
         members = self._members(cover_all=False)
         total = np.zeros((len(x), 1 + len(levels)))
         for m in members:
-            rows, ctx, query, kind, card = self._supervised_view(m, x)
-            total += self._predict_target(rt.for_member(m), ctx, self.y_[rows], query, kind, card, None, fn).reshape(len(x), -1)
+            view = self._supervised_view(m, x)
+            y = self.y_[view.rows]
+            total += self._predict_target(rt.for_member(m), view, y, None, fn, neighbor_targets=y).reshape(len(x), -1)
         total /= len(members)
         return total[:, 0], total[:, 1:]

@@ -1,0 +1,83 @@
+"""Neighbour features: what the nearest context rows say about the target, shown as extra columns.
+
+A row's neighbour feature is the mean of a target over its k nearest context rows
+(classification: the share of a class among them; regression: their mean target). Context rows
+leave themselves out, so each context row shows the model the same kind of value a query row
+gets (computed from other rows only); no query label is ever involved. The model then reads the
+feature like any other column, in context: it learns from the context rows how far to trust it.
+This is what lifts a small in-context model on tables where "similar rows share a label" carries
+much of the signal (e.g. tic-tac-toe, digits, phoneme; BENCHMARKS.md).
+
+Distances are Euclidean over the member's feature columns: numeric features standardised by the
+context rows (a missing value sits at the mean), categorical features one-hot so that two
+different codes are 1 apart (a missing code is 1/2 from every code).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from data.batch import CATEGORICAL
+
+QUERY_CHUNK = 1024  # query rows per distance block: bounds memory at QUERY_CHUNK x context rows
+
+
+def _design(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Context and query rows as points whose squared distances are the ones above."""
+    parts_c, parts_q = [], []
+    for j in range(ctx.shape[1]):
+        c, q = ctx[:, j].astype(np.float64), query[:, j].astype(np.float64)
+        if kind[j] == CATEGORICAL and cardinality[j] >= 1:
+            levels = np.arange(int(cardinality[j]))
+            parts_c.append((c[:, None] == levels) * np.sqrt(0.5))  # NaN matches no level
+            parts_q.append((q[:, None] == levels) * np.sqrt(0.5))
+            continue
+        seen = c[np.isfinite(c)]
+        mu = seen.mean() if len(seen) else 0.0
+        sd = seen.std() if len(seen) and seen.std() > 0 else 1.0
+        parts_c.append(np.nan_to_num((c - mu) / sd, nan=0.0, posinf=0.0, neginf=0.0)[:, None])
+        parts_q.append(np.nan_to_num((q - mu) / sd, nan=0.0, posinf=0.0, neginf=0.0)[:, None])
+    return np.concatenate(parts_c, 1), np.concatenate(parts_q, 1)
+
+
+def _nearest(points: np.ndarray, ref: np.ndarray, k: int, exclude_self: bool) -> np.ndarray:
+    """(len(points), k) indices into ref of each point's k nearest (ties: lower index first)."""
+    ref_sq = (ref * ref).sum(1)
+    out = []
+    for start in range(0, len(points), QUERY_CHUNK):
+        p = points[start:start + QUERY_CHUNK]
+        d = ref_sq[None, :] - 2.0 * p @ ref.T  # + |p|^2, the same for every candidate of a row
+        if exclude_self:
+            d[np.arange(len(p)), np.arange(start, start + len(p))] = np.inf
+        out.append(np.argsort(d, axis=1, kind="stable")[:, :k])
+    return np.concatenate(out) if out else np.zeros((0, k), dtype=np.int64)
+
+
+class Neighbors:
+    """The k nearest context rows of every context row (itself left out) and every query row."""
+
+    def __init__(self, context_points: np.ndarray, query_points: np.ndarray, k: int) -> None:
+        self.requested = int(k)
+        self.k = int(min(k, len(context_points) - 1))
+        if self.k < 1:
+            raise ValueError(f"neighbour features need at least 2 context rows, got {len(context_points)}")
+        self._points = (context_points, query_points)
+        self.context_index = _nearest(context_points, context_points, self.k, exclude_self=True)
+        self.query_index = _nearest(query_points, context_points, self.k, exclude_self=False)
+
+    @classmethod
+    def of(cls, ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, k: int
+           ) -> "Neighbors | None":
+        """Neighbours over the feature columns (kinds and cardinalities as encoded); None with < 2 context rows."""
+        return cls(*_design(ctx, query, kind, cardinality), k) if len(ctx) >= 2 else None
+
+    def features(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Neighbour means of `targets` (n_context, m): (n_context, m) and (n_query, m), float32."""
+        t = np.asarray(targets, dtype=np.float64).reshape(len(self.context_index), -1)
+        return (t[self.context_index].mean(1).astype(np.float32),
+                t[self.query_index].mean(1).astype(np.float32))
+
+    def subset(self, rows: np.ndarray) -> "Neighbors | None":
+        """Neighbours among the context rows `rows` only (a sub-problem on part of the context)."""
+        a, b = self._points
+        return Neighbors(a[rows], b, self.requested) if len(rows) >= 2 else None
