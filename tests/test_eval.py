@@ -834,13 +834,13 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     """Cached TabFM scores are keyed by the weights' hash and the estimator's parameters, so a
     changed default recomputes them instead of serving stale results."""
     from tabfm.commands.eval import tabfm_methods
-    from tabfm.estimators.base import SupervisedTabFMEstimator
+    from tabfm.estimators import TabFMClassifier
 
     before = tabfm_methods()["classification"]["tabfm"].version
     assert set(before) == {"tabfm", "params"}
-    defaults = SupervisedTabFMEstimator.__init__.__defaults__
-    assert defaults[-2:] == ("ordinal", "raw")  # categorical, numeric
-    monkeypatch.setattr(SupervisedTabFMEstimator.__init__, "__defaults__", defaults[:-2] + ("identity", "raw"))
+    defaults = TabFMClassifier.__init__.__defaults__
+    assert defaults[-4:] == ("ordinal", "raw", 10, "ovr")  # categorical, numeric, n_neighbors, multiclass
+    monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-1] + ("native",))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
 
