@@ -839,7 +839,7 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     before = tabfm_methods()["classification"]["tabfm"].version
     assert set(before) == {"tabfm", "params"}
     defaults = TabFMClassifier.__init__.__defaults__
-    assert defaults[-4:] == ("ordinal", "raw", 10, "ovr")  # categorical, numeric, n_neighbors, multiclass
+    assert defaults[-4:] == ("ordinal", "raw", (5, 20), "ovr")  # categorical, numeric, n_neighbors, multiclass
     monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-1] + ("native",))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
@@ -852,6 +852,8 @@ def test_tabfm_params_reach_the_estimator_and_its_version():
 
     assert parse_params("n_estimators=1, precision=fp32,max_offset_rows=None") == {
         "n_estimators": 1, "precision": "fp32", "max_offset_rows": None}
+    assert parse_params("n_neighbors=(5, 20),n_estimators=2,x=[1,(2,3)]") == {
+        "n_neighbors": (5, 20), "n_estimators": 2, "x": [1, (2, 3)]}  # commas inside brackets stay
     assert parse_params(None) == {} and parse_params("") == {}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_params("n_estimators")

@@ -9,7 +9,7 @@ import torch
 from data.batch import CATEGORICAL, NUMERIC
 from parallel import export_model
 from tabfm.estimators import TabFMClassifier, TabFMRegressor
-from tabfm.estimators.neighbors import Neighbors
+from tabfm.estimators.neighbors import Neighbors, neighbor_sizes
 from tabfm.inference import forward_eval, target_batch
 from tabfm.model import ModelConfig, TabFM
 from tabfm.model.predict import class_probabilities
@@ -51,32 +51,41 @@ def test_neighbours_by_hand():
     ctx[[4, 26], 1] = NAN
     ctx, query = ctx[:n].astype(np.float32), ctx[n:].astype(np.float32)
     kind, card = np.array([NUMERIC, CATEGORICAL, NUMERIC]), np.array([0, 3, 0])
-    nb = Neighbors.of(ctx, query, kind, card, k=4)
+    nb = Neighbors.of(ctx, query, kind, card, (2, 4))
     want_c, want_q = brute_force(ctx.astype(np.float64), query.astype(np.float64), kind, card, 4)
     np.testing.assert_array_equal(np.sort(nb.context_index, 1), np.sort(want_c, 1))
     np.testing.assert_array_equal(np.sort(nb.query_index, 1), np.sort(want_q, 1))
     assert not (nb.context_index == np.arange(n)[:, None]).any()  # a context row is never its own neighbour
     y = rng.integers(0, 2, n).astype(float)
-    fc, fq = nb.features(y)
-    np.testing.assert_allclose(fc[:, 0], y[want_c].mean(1), rtol=1e-6)
-    np.testing.assert_allclose(fq[:, 0], y[want_q].mean(1), rtol=1e-6)
+    fc, fq = nb.features(np.column_stack([y, 1 - y]))  # two targets x two sizes, grouped by size
+    want2_c, want2_q = brute_force(ctx.astype(np.float64), query.astype(np.float64), kind, card, 2)
+    for got, near2, near4 in ((fc, want2_c, want_c), (fq, want2_q, want_q)):
+        assert got.shape[1] == 4
+        np.testing.assert_allclose(got[:, 0], y[near2].mean(1), rtol=1e-6)
+        np.testing.assert_allclose(got[:, 1], 1 - y[near2].mean(1), rtol=1e-6)
+        np.testing.assert_allclose(got[:, 2], y[near4].mean(1), rtol=1e-6)
+        np.testing.assert_allclose(got[:, 3], 1 - y[near4].mean(1), rtol=1e-6)
 
 
 def test_neighbours_edge_cases():
     ctx = np.array([[0.0], [0.0], [10.0]], dtype=np.float32)
-    nb = Neighbors.of(ctx, np.array([[9.0]], dtype=np.float32), np.array([NUMERIC]), np.array([0]), k=50)
-    assert nb.k == 2  # at most the other context rows
+    nb = Neighbors.of(ctx, np.array([[9.0]], dtype=np.float32), np.array([NUMERIC]), np.array([0]), (1, 50))
+    assert nb.ks == (1, 2)  # at most the other context rows
     np.testing.assert_array_equal(nb.context_index[0], [1, 2])  # the duplicate first, never itself
     assert nb.query_index[0, 0] == 2
-    assert Neighbors.of(ctx[:1], ctx[:1], np.array([NUMERIC]), np.array([0]), k=3) is None
+    assert Neighbors.of(ctx[:1], ctx[:1], np.array([NUMERIC]), np.array([0]), (3,)) is None
+    assert neighbor_sizes(10) == (10,) and neighbor_sizes((5, 20)) == (5, 20) and neighbor_sizes(0) == ()
+    for bad in (-1, 2.5, True, (5, 5), (5, -1), "5"):
+        with pytest.raises(ValueError, match="n_neighbors"):
+            neighbor_sizes(bad)
     # query features depend on that row only, not on the other query rows
     rng = np.random.default_rng(1)
     big, q = rng.normal(size=(40, 3)).astype(np.float32), rng.normal(size=(9, 3)).astype(np.float32)
     kind, card = np.full(3, NUMERIC), np.zeros(3, dtype=int)
-    full = Neighbors.of(big, q, kind, card, 5).query_index
-    np.testing.assert_array_equal(Neighbors.of(big, q[3:5], kind, card, 5).query_index, full[3:5])
+    full = Neighbors.of(big, q, kind, card, (5,)).query_index
+    np.testing.assert_array_equal(Neighbors.of(big, q[3:5], kind, card, (5,)).query_index, full[3:5])
     # a subset keeps the whole context's scaling and searches only its rows
-    sub = Neighbors.of(big, q, kind, card, 5).subset(np.arange(0, 40, 2))
+    sub = Neighbors.of(big, q, kind, card, (5,)).subset(np.arange(0, 40, 2))
     z, zq = (big - big.mean(0)) / big.std(0), (q - big.mean(0)) / big.std(0)
     d = ((zq[:, None, :] - z[None, ::2, :]) ** 2).sum(-1)
     np.testing.assert_array_equal(np.sort(sub.query_index, 1), np.sort(np.argsort(d, 1)[:, :5], 1))

@@ -23,11 +23,22 @@ from tabfm.weights import resolve_model_path
 
 TASKS = ("classification", "regression", "imputation", "anomaly")
 
+def _top_level_items(text: str) -> list[str]:
+    """`text` split at the commas outside brackets: "a=1,b=(5,20)" -> ["a=1", "b=(5,20)"]."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return items + [text[start:]]
+
+
 def parse_params(text: str | None) -> dict[str, Any]:
-    """`--tabfm-params "n_estimators=1,max_context_rows=1024"` -> {"n_estimators": 1, ...}
-    (values read as Python literals, else kept as strings)."""
+    """`--tabfm-params "n_estimators=1,n_neighbors=(5,20)"` -> {"n_estimators": 1, "n_neighbors": (5, 20)}
+    (values read as Python literals, else kept as strings; commas inside brackets stay in the value)."""
     params: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+    for item in filter(None, (part.strip() for part in _top_level_items(text or ""))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--tabfm-params: expected KEY=VALUE pairs separated by commas, got {item!r}")

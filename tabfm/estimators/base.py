@@ -26,13 +26,13 @@ from tabfm.inference import CellFn, ContextPredictor, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
-from .neighbors import Neighbors
+from .neighbors import Neighbors, neighbor_sizes
 
 DEFAULT_N_ESTIMATORS = 4
 DEFAULT_MAX_CONTEXT_ROWS = 2048
 DEFAULT_MAX_COLUMNS = 100
 DEFAULT_CHUNK_SIZE = 1024
-DEFAULT_N_NEIGHBORS = 10
+DEFAULT_N_NEIGHBORS = (5, 20)
 PRECISIONS = ("auto", "fp32", "bf16")
 CATEGORICAL_MODES = ("ordinal", "identity")
 MULTICLASS = ("ovr", "native")
@@ -120,9 +120,7 @@ class TabFMEstimator(BaseEstimator):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        value = getattr(self, "n_neighbors", 0)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"n_neighbors must be an int >= 0 (0 = no neighbour features), got {value!r}")
+        neighbor_sizes(getattr(self, "n_neighbors", 0))
         if getattr(self, "multiclass", MULTICLASS[0]) not in MULTICLASS:
             raise ValueError(f"multiclass must be one of {MULTICLASS}, got {self.multiclass!r}")
         if self.precision not in PRECISIONS:
@@ -268,12 +266,11 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  ensemble averages both views). With the shipped weights the three are within
                  0.004 mean ROC-AUC of each other on the public suite's 9 hardest datasets
                  (BENCHMARKS.md).
-    n_neighbors  k (default 10; 0 = off): show the model, as extra feature columns (on top of
-                 max_columns), the target's mean over each row's k nearest context rows
-                 (classification: each class's share; leave-one-out on the context rows; see
-                 tabfm.estimators.neighbors). With the shipped weights it lifts the public
-                 classification suite from 0.858 to ROC-AUC and regression R^2 by 0.07-0.25
-                 (BENCHMARKS.md).
+    n_neighbors  neighbourhood sizes (default (5, 20); an int k is (k,); 0 = off): show the model,
+                 as extra feature columns (on top of max_columns), the target's mean over each
+                 row's k nearest context rows for each k (classification: the share of the class;
+                 leave-one-out on the context rows; see tabfm.estimators.neighbors). With the
+                 shipped weights the largest gain measured (README, BENCHMARKS.md).
     Other parameters: see TabFMEstimator.
     """
 
@@ -281,7 +278,8 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  random_state: int | np.random.RandomState | None = None, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 categorical: str = "ordinal", numeric: str = "raw", n_neighbors: int = DEFAULT_N_NEIGHBORS) -> None:
+                 categorical: str = "ordinal", numeric: str = "raw",
+                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size)
@@ -299,7 +297,8 @@ class SupervisedTabFMEstimator(TabFMEstimator):
             for j in np.flatnonzero(kind == NUMERIC):
                 query[:, j] = quantile_normal(ctx[:, j], query[:, j])
                 ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
-        neighbors = Neighbors.of(ctx, query, kind, card, self.n_neighbors) if self.n_neighbors else None
+        sizes = neighbor_sizes(self.n_neighbors)
+        neighbors = Neighbors.of(ctx, query, kind, card, sizes) if sizes else None
         if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
             kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
         return View(rows, ctx, query, kind, card, neighbors)

@@ -56,8 +56,8 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     class in y predicts that class with probability 1 (UserWarning).
 
     multiclass   "ovr" (default) or "native": how more than two classes are predicted (module doc).
-    n_neighbors  k of the neighbour features (default 10; 0 = off): each task also shows the
-                 model the share of its class(es) among every row's k nearest context rows.
+    n_neighbors  sizes k of the neighbour features (default (5, 20); 0 = off): each task also shows
+                 the model the share of its class(es) among every row's k nearest context rows.
     Other parameters: see SupervisedTabFMEstimator and TabFMEstimator.
     """
 
@@ -65,8 +65,8 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  random_state: int | np.random.RandomState | None = None, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 categorical: str = "ordinal", numeric: str = "raw", n_neighbors: int = DEFAULT_N_NEIGHBORS,
-                 multiclass: str = "ovr") -> None:
+                 categorical: str = "ordinal", numeric: str = "raw",
+                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, multiclass: str = "ovr") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors)

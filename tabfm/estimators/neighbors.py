@@ -1,6 +1,7 @@
 """Neighbour features: what the nearest context rows say about the target, shown as extra columns.
 
-A row's neighbour feature is the mean of a target over its k nearest context rows
+A row's neighbour feature is the mean of a target over its k nearest context rows (at one or
+several sizes k)
 (classification: the share of a class among them; regression: their mean target). Context rows
 leave themselves out, so each context row shows the model the same kind of value a query row
 gets (computed from other rows only); no query label is ever involved. The model then reads the
@@ -54,30 +55,49 @@ def _nearest(points: np.ndarray, ref: np.ndarray, k: int, exclude_self: bool) ->
 
 
 class Neighbors:
-    """The k nearest context rows of every context row (itself left out) and every query row."""
+    """The nearest context rows of every context row (itself left out) and every query row, with
+    features at several neighbourhood sizes `ks` (a small k is local, a large k smooth)."""
 
-    def __init__(self, context_points: np.ndarray, query_points: np.ndarray, k: int) -> None:
-        self.requested = int(k)
-        self.k = int(min(k, len(context_points) - 1))
-        if self.k < 1:
-            raise ValueError(f"neighbour features need at least 2 context rows, got {len(context_points)}")
+    def __init__(self, context_points: np.ndarray, query_points: np.ndarray, ks: tuple[int, ...]) -> None:
+        self.requested = tuple(int(k) for k in ks)
+        self.ks = tuple(sorted({min(k, len(context_points) - 1) for k in self.requested}))
+        if not self.ks or self.ks[0] < 1:
+            raise ValueError(f"neighbour features need k >= 1 and at least 2 context rows, got k={self.requested} "
+                             f"and {len(context_points)} rows")
         self._points = (context_points, query_points)
-        self.context_index = _nearest(context_points, context_points, self.k, exclude_self=True)
-        self.query_index = _nearest(query_points, context_points, self.k, exclude_self=False)
+        self.context_index = _nearest(context_points, context_points, self.ks[-1], exclude_self=True)
+        self.query_index = _nearest(query_points, context_points, self.ks[-1], exclude_self=False)
 
     @classmethod
-    def of(cls, ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, k: int
+    def of(cls, ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, ks: tuple[int, ...]
            ) -> "Neighbors | None":
         """Neighbours over the feature columns (kinds and cardinalities as encoded); None with < 2 context rows."""
-        return cls(*_design(ctx, query, kind, cardinality), k) if len(ctx) >= 2 else None
+        return cls(*_design(ctx, query, kind, cardinality), ks) if len(ctx) >= 2 else None
 
     def features(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Neighbour means of `targets` (n_context, m): (n_context, m) and (n_query, m), float32."""
+        """Neighbour means of `targets` (n_context, m) over the k nearest, for each k:
+        (n_context, m * len(ks)) and (n_query, m * len(ks)), float32, grouped by k."""
         t = np.asarray(targets, dtype=np.float64).reshape(len(self.context_index), -1)
-        return (t[self.context_index].mean(1).astype(np.float32),
-                t[self.query_index].mean(1).astype(np.float32))
+
+        def means(index: np.ndarray) -> np.ndarray:
+            return np.concatenate([t[index[:, :k]].mean(1) for k in self.ks], 1).astype(np.float32)
+
+        return means(self.context_index), means(self.query_index)
 
     def subset(self, rows: np.ndarray) -> "Neighbors | None":
         """Neighbours among the context rows `rows` only (a sub-problem on part of the context)."""
         a, b = self._points
         return Neighbors(a[rows], b, self.requested) if len(rows) >= 2 else None
+
+
+def neighbor_sizes(n_neighbors: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """The estimators' `n_neighbors` as a tuple of sizes: k -> (k,), 0 or () -> () (off); checked."""
+    sizes = (n_neighbors,) if isinstance(n_neighbors, (int, np.integer)) and not isinstance(n_neighbors, bool) \
+        else tuple(n_neighbors) if isinstance(n_neighbors, (tuple, list)) else None
+    if sizes is None or not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0 for k in sizes):
+        raise ValueError(f"n_neighbors must be an int >= 0 or a tuple of ints >= 1 (0 or () = no neighbour "
+                         f"features), got {n_neighbors!r}")
+    sizes = tuple(int(k) for k in sizes if k)
+    if len(sizes) != len(set(sizes)):
+        raise ValueError(f"n_neighbors lists a size twice: {n_neighbors!r}")
+    return sizes
