@@ -595,6 +595,14 @@ def test_cli_predict(cli_main, export_dir, tmp_path, capsys):
     assert list(preds.columns) == ["label", "proba_apple", "proba_mango", "proba_zebra"] and len(preds) == 10
     np.testing.assert_allclose(preds.iloc[:, 1:].sum(axis=1), 1.0, atol=1e-6)
     assert "accuracy" in capsys.readouterr().err
+    # --n-neighbors reaches the estimator: the CLI's probabilities are the estimator's with those sizes
+    assert cli_main([*args, "--out", str(out), "--proba", "--n-neighbors", "0"]) == 0
+    train = pd.read_csv(tmp_path / "train.csv")
+    want = TabFMClassifier(model=export_dir, n_estimators=1, random_state=0, n_neighbors=()).fit(
+        train.drop(columns="label"), train["label"]).predict_proba(pd.read_csv(tmp_path / "test.csv").drop(columns="label"))
+    np.testing.assert_allclose(pd.read_csv(out).iloc[:, 1:].to_numpy(), want, atol=1e-6)
+    assert cli_main([*args, "--n-neighbors", "5,x"]) == 2
+    assert "--n-neighbors" in capsys.readouterr().err
 
     X.assign(target=X["a"] * 3).to_csv(tmp_path / "reg.csv", index=False)
     assert cli_main(["predict", "--model", export_dir, "--train", str(tmp_path / "reg.csv"), "--test",

@@ -37,6 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", metavar="CSV", help="write predictions here (default: stdout)")
     p.add_argument("--proba", action="store_true", help="classification: add a probability column per class")
     p.add_argument("--n-estimators", type=int, default=4, help="ensemble members (default 4)")
+    p.add_argument("--n-neighbors", default="5,20", metavar="K[,K...]",
+                   help="sizes of the neighbour features, comma-separated; 0 = off (default 5,20)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     return p
@@ -76,7 +78,12 @@ def run(args: argparse.Namespace) -> int:
     if args.proba and task != "classification":
         raise ValueError("--proba applies to classification only")
 
-    params = dict(model=args.model, n_estimators=args.n_estimators, random_state=args.seed, device=args.device)
+    try:
+        sizes = tuple(int(k) for k in args.n_neighbors.split(",") if k.strip())
+    except ValueError:
+        raise ValueError(f"--n-neighbors: expected comma-separated integers such as 5,20, got {args.n_neighbors!r}") from None
+    params = dict(model=args.model, n_estimators=args.n_estimators, random_state=args.seed, device=args.device,
+                  n_neighbors=sizes)
     est = TabFMClassifier(**params) if task == "classification" else TabFMRegressor(**params)
     try:
         est.fit(train, y)
