@@ -287,9 +287,11 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         self.numeric = numeric
         self.n_neighbors = n_neighbors
 
-    def _supervised_view(self, member: Member, x_query: np.ndarray, strata: np.ndarray | None = None) -> View:
-        """A member's view of the table for a separate target (see View)."""
-        rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows, strata)
+    def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool) -> View:
+        """A member's view of the table for the target `self.y_` (see View); classes: y_ holds class
+        codes (the context is then stratified by class)."""
+        rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows,
+                         self.y_ if classes else None)
         cols = member.column_groups[0]
         kind, card = self._kind[cols], self._card[cols]
         ctx, query = member.view(self.train_x_[rows], cols), member.view(x_query, cols)
@@ -298,7 +300,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                 query[:, j] = quantile_normal(ctx[:, j], query[:, j])
                 ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
         sizes = neighbor_sizes(self.n_neighbors)
-        neighbors = Neighbors.of(ctx, query, kind, card, sizes) if sizes else None
+        neighbors = Neighbors.of(ctx, query, kind, card, sizes, self.y_[rows], classes) if sizes else None
         if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
             kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
         return View(rows, ctx, query, kind, card, neighbors)

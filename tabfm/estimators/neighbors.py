@@ -11,7 +11,10 @@ much of the signal (e.g. tic-tac-toe, digits, phoneme; BENCHMARKS.md).
 
 Distances are Euclidean over the member's feature columns: numeric features standardised by the
 context rows (a missing value sits at the mean), categorical features one-hot so that two
-different codes are 1 apart (a missing code is 1/2 from every code).
+different codes are 1 apart (a missing code is 1/2 from every code), and every such coordinate
+scaled by its relevance to the target on the context rows (`relevance`: the correlation ratio for
+class labels, |Pearson r| for a numeric target, plus a floor), so that noise columns do not
+decide who is near (public suite: australian 0.920 -> 0.929, credit_data 0.790 -> 0.802).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 from data.batch import CATEGORICAL
 
 QUERY_CHUNK = 1024  # query rows per distance block: bounds memory at QUERY_CHUNK x context rows
+RELEVANCE_FLOOR = 0.1  # added to every coordinate's relevance (which lies in [0, 1])
 
 
 def _design(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray
@@ -39,6 +43,23 @@ def _design(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: n
         parts_c.append(np.nan_to_num((c - mu) / sd, nan=0.0, posinf=0.0, neginf=0.0)[:, None])
         parts_q.append(np.nan_to_num((q - mu) / sd, nan=0.0, posinf=0.0, neginf=0.0)[:, None])
     return np.concatenate(parts_c, 1), np.concatenate(parts_q, 1)
+
+
+def relevance(points: np.ndarray, target: np.ndarray, classes: bool) -> np.ndarray:
+    """Per coordinate of the context points: how strongly it varies with the target, in [0, 1],
+    plus RELEVANCE_FLOOR. classes: the correlation ratio (sqrt of the share of the coordinate's
+    variance between the target's classes); else |Pearson r| with the numeric target."""
+    total = points.var(0)
+    if classes:
+        mean = points.mean(0)
+        between = sum((target == c).mean() * (points[target == c].mean(0) - mean) ** 2 for c in np.unique(target))
+        share = np.divide(between, total, out=np.zeros_like(total), where=total > 0)
+    else:
+        t = np.asarray(target, dtype=np.float64) - np.mean(target)
+        cov = (points - points.mean(0)).T @ t / len(t)
+        denom = np.sqrt(total * t.var())
+        share = np.divide(cov, denom, out=np.zeros_like(total), where=denom > 0) ** 2
+    return np.sqrt(np.clip(share, 0.0, 1.0)) + RELEVANCE_FLOOR
 
 
 def _nearest(points: np.ndarray, ref: np.ndarray, k: int, exclude_self: bool) -> np.ndarray:
@@ -69,10 +90,18 @@ class Neighbors:
         self.query_index = _nearest(query_points, context_points, self.ks[-1], exclude_self=False)
 
     @classmethod
-    def of(cls, ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, ks: tuple[int, ...]
-           ) -> "Neighbors | None":
-        """Neighbours over the feature columns (kinds and cardinalities as encoded); None with < 2 context rows."""
-        return cls(*_design(ctx, query, kind, cardinality), ks) if len(ctx) >= 2 else None
+    def of(cls, ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, ks: tuple[int, ...],
+           target: np.ndarray | None = None, classes: bool = False) -> "Neighbors | None":
+        """Neighbours over the feature columns (kinds and cardinalities as encoded), coordinates scaled
+        by their relevance to `target` (the context rows' labels or values) when given; None with
+        < 2 context rows."""
+        if len(ctx) < 2:
+            return None
+        a, b = _design(ctx, query, kind, cardinality)
+        if target is not None:
+            w = relevance(a, np.asarray(target), classes)
+            a, b = a * w, b * w
+        return cls(a, b, ks)
 
     def features(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Neighbour means of `targets` (n_context, m) over the k nearest, for each k:

@@ -73,7 +73,7 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
         members = self._members(cover_all=False)
         total = np.zeros((len(x), 1 + len(levels)))
         for m in members:
-            view = self._supervised_view(m, x)
+            view = self._supervised_view(m, x, classes=False)
             y = self.y_[view.rows]
             total += self._predict_target(rt.for_member(m), view, y, None, fn, neighbor_targets=y).reshape(len(x), -1)
         total /= len(members)
