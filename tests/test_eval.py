@@ -837,12 +837,27 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     from tabfm.estimators import TabFMClassifier
 
     before = tabfm_methods()["classification"]["tabfm"].version
-    assert set(before) == {"tabfm", "params"}
+    assert set(before) == {"tabfm", "params", "code"}
     defaults = TabFMClassifier.__init__.__defaults__
     assert defaults[-4:] == ("ordinal", "raw", (5, 20), "ovr")  # categorical, numeric, n_neighbors, multiclass
     monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-1] + ("native",))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
+
+
+def test_tabfm_method_version_follows_the_inference_code(tmp_path):
+    """An edit to the estimators' source changes the TabFM methods' cache version (no stale scores)."""
+    from tabfm.commands.eval import inference_code_hash
+
+    for sub in ("tabfm/estimators", "tabfm/model", "data"):
+        (tmp_path / sub).mkdir(parents=True)
+    (tmp_path / "tabfm/inference.py").write_text("x = 1\n")
+    (tmp_path / "tabfm/estimators/neighbors.py").write_text("K = 5\n")
+    first = inference_code_hash(tmp_path)
+    assert inference_code_hash(tmp_path) == first
+    (tmp_path / "tabfm/estimators/neighbors.py").write_text("K = 6\n")
+    assert inference_code_hash(tmp_path) != first
+    assert len(inference_code_hash()) == 12  # the installed source
 
 
 def test_tabfm_params_reach_the_estimator_and_its_version():

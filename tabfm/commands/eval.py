@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-from pathlib import Path
 import hashlib
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from tabfm.weights import resolve_model_path
@@ -49,6 +49,19 @@ def parse_params(text: str | None) -> dict[str, Any]:
     return params
 
 
+def inference_code_hash(root: Path | None = None) -> str:
+    """Hash of the source the estimators' answers depend on (tabfm/estimators, tabfm/model,
+    tabfm/inference.py, data/): part of the TabFM methods' cache version, so a change in how the
+    estimators predict is never served stale scores (any edit there recomputes them)."""
+    root = Path(__file__).resolve().parents[2] if root is None else Path(root)
+    files = sorted([*(root / "tabfm" / "estimators").glob("*.py"), *(root / "tabfm" / "model").glob("*.py"),
+                    root / "tabfm" / "inference.py", *(root / "data").glob("*.py")])
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = None,
                   tasks: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
     """The project's own methods per task, {task: {"tabfm": eval.runner.Method}}, for weights `model`
@@ -69,6 +82,7 @@ def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = Non
     from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
 
     weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]
+    code = inference_code_hash()
     where = str(path)
 
     extra = dict(params or {})
@@ -85,7 +99,8 @@ def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = Non
             return est.set_params(**extra)
 
         chosen = {k: v for k, v in sorted(make().get_params().items()) if k != "model"}
-        version = {"tabfm": weights, "params": hashlib.sha256(repr(chosen).encode()).hexdigest()[:12]}
+        version = {"tabfm": weights, "params": hashlib.sha256(repr(chosen).encode()).hexdigest()[:12],
+                   "code": code}
         return Method((lambda: wrap(make())) if wrap else make, version)
 
     estimators = {"classification": (TabFMClassifier,), "regression": (TabFMRegressor,),
