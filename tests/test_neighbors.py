@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from data.batch import CATEGORICAL, NUMERIC
-from parallel import export_model
 from tabfm.estimators import TabFMClassifier, TabFMRegressor
 from tabfm.estimators.neighbors import RELEVANCE_FLOOR, Neighbors, neighbor_sizes, relevance
 from tabfm.inference import forward_eval, target_batch
 from tabfm.model import ModelConfig, TabFM
 from tabfm.model.predict import class_probabilities
-from tabfm.train.pretrain import EXPORT_FORMAT
 from tabfm.weights import load_model
+from tests.test_estimators import export_dir  # noqa: F401  (the random-weight export fixture)
 
 NAN = float("nan")
 
@@ -107,15 +106,6 @@ def test_neighbours_edge_cases():
     z, zq = (big - big.mean(0)) / big.std(0), (q - big.mean(0)) / big.std(0)
     d = ((zq[:, None, :] - z[None, ::2, :]) ** 2).sum(-1)
     np.testing.assert_array_equal(np.sort(sub.query_index, 1), np.sort(np.argsort(d, 1)[:, :5], 1))
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2, n_bins=16, id_dim=8)
-    out = tmp_path_factory.mktemp("weights") / "export"
-    export_model(TabFM(cfg), out, {"format": EXPORT_FORMAT, "version": 1, "model": cfg.to_dict()})
-    return str(out)
 
 
 def table(n=70, seed=0):
