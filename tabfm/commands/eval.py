@@ -23,6 +23,7 @@ from tabfm.weights import resolve_model_path
 
 TASKS = ("classification", "regression", "imputation", "anomaly")
 
+
 def _top_level_items(text: str) -> list[str]:
     """`text` split at the commas outside brackets: "a=1,b=(5,20)" -> ["a=1", "b=(5,20)"]."""
     items, depth, start = [], 0, 0

@@ -71,8 +71,8 @@ class View:
     neighbors: Neighbors | None = None
 
     def subset(self, sel: np.ndarray) -> "View":
-        """The view with only the context rows `sel` (a boolean mask or indices)."""
-        idx = np.flatnonzero(sel) if np.asarray(sel).dtype == bool else np.asarray(sel)
+        """The view with only the context rows where the boolean mask `sel` is set."""
+        idx = np.flatnonzero(sel)
         nb = self.neighbors.subset(idx) if self.neighbors is not None else None
         return dataclasses.replace(self, rows=self.rows[idx], ctx=self.ctx[idx], neighbors=nb)
 

@@ -1,8 +1,8 @@
 """Neighbour features: what the nearest context rows say about the target, shown as extra columns.
 
-A row's neighbour feature is the mean of a target over its k nearest context rows (at one or
-several sizes k)
-(classification: the share of a class among them; regression: their mean target). Context rows
+A row's neighbour feature is the mean of a target over its k nearest context rows, at one or
+several sizes k (classification: the share of a class among them; regression: their mean
+target). Context rows
 leave themselves out, so each context row shows the model the same kind of value a query row
 gets (computed from other rows only); no query label is ever involved. The model then reads the
 feature like any other column, in context: it learns from the context rows how far to trust it.
