@@ -108,7 +108,7 @@ def labels(n: int = 60, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed + 1).choice(["zebra", "apple", "mango"], n)
 
 
-NATIVE = dict(multiclass="native", n_neighbors=0)  # one n-way pass over the table's own columns
+NATIVE = dict(multiclass="native", n_neighbors=0, linear_features=False)  # one n-way pass, the table's own columns
 
 
 def make(cls, model, **kw):
@@ -362,9 +362,10 @@ def test_context_rows_and_columns_above_the_limits(export_dir):
     assert len(set(contexts)) == 3  # each member draws its own rows
     stub.batches.clear()  # more feature columns than max_columns: a random subset per member
     TabFMClassifier(model=stub, n_estimators=4, random_state=0, max_columns=2).fit(X, y).predict(X[:10])
-    subsets = [tuple(b.x[0, 0, :-3].tolist()) for b in stub.batches]
-    # 2 feature columns + the neighbour shares at k = 5 and 20 (on top of max_columns) + the target
-    assert all(b.shape[2] == 5 for b in stub.batches) and len(set(subsets)) > 1
+    subsets = [tuple(b.x[0, 0, :-4].tolist()) for b in stub.batches]
+    # 2 feature columns + the neighbour shares at k = 5 and 20 and the linear score (on top of
+    # max_columns) + the target
+    assert all(b.shape[2] == 6 for b in stub.batches) and len(set(subsets)) > 1
     full = make(TabFMRegressor, export_dir).fit(X, X["a"]).predict(X[:10])
     sub = make(TabFMRegressor, export_dir, max_context_rows=30).fit(X, X["a"]).predict(X[:10])
     assert not np.allclose(full, sub)
@@ -595,10 +596,11 @@ def test_cli_predict(cli_main, export_dir, tmp_path, capsys):
     assert list(preds.columns) == ["label", "proba_apple", "proba_mango", "proba_zebra"] and len(preds) == 10
     np.testing.assert_allclose(preds.iloc[:, 1:].sum(axis=1), 1.0, atol=1e-6)
     assert "accuracy" in capsys.readouterr().err
-    # --n-neighbors reaches the estimator: the CLI's probabilities are the estimator's with those sizes
-    assert cli_main([*args, "--out", str(out), "--proba", "--n-neighbors", "0"]) == 0
+    # --n-neighbors / --no-linear-features reach the estimator: the CLI's probabilities are the estimator's
+    assert cli_main([*args, "--out", str(out), "--proba", "--n-neighbors", "0", "--no-linear-features"]) == 0
     train = pd.read_csv(tmp_path / "train.csv")
-    want = TabFMClassifier(model=export_dir, n_estimators=1, random_state=0, n_neighbors=()).fit(
+    want = TabFMClassifier(model=export_dir, n_estimators=1, random_state=0, n_neighbors=(),
+                           linear_features=False).fit(
         train.drop(columns="label"), train["label"]).predict_proba(pd.read_csv(tmp_path / "test.csv").drop(columns="label"))
     np.testing.assert_allclose(pd.read_csv(out).iloc[:, 1:].to_numpy(), want, atol=1e-6)
     assert cli_main([*args, "--n-neighbors", "5,x"]) == 2

@@ -8,6 +8,7 @@ import torch
 
 from data.batch import CATEGORICAL, NUMERIC
 from tabfm.estimators import TabFMClassifier, TabFMRegressor
+from tabfm.estimators.linear import LinearScores
 from tabfm.estimators.neighbors import RELEVANCE_FLOOR, Neighbors, neighbor_sizes, relevance
 from tabfm.inference import forward_eval, target_batch
 from tabfm.model import ModelConfig, TabFM
@@ -117,7 +118,7 @@ def table(n=70, seed=0):
 
 def test_one_vs_rest_equals_direct_binary_passes(export_dir):
     """One member: P(class) proportional to the odds of each class-vs-rest pass's P(code 1), that
-    class's neighbour share the last feature, un-permuted."""
+    class's neighbour share and linear score the last two features, un-permuted."""
     torch.set_num_threads(1)
     X, y = table()
     clf = TabFMClassifier(model=export_dir, n_estimators=1, random_state=5, n_neighbors=6).fit(X, y)
@@ -129,13 +130,15 @@ def test_one_vs_rest_equals_direct_binary_passes(export_dir):
     codes = m.class_perm[clf.y_]
     nb = Neighbors.of(ctx, ctx, clf._kind[cols], clf._card[cols], (6,), clf.y_, classes=True)  # tested above
     want_c, want_q = nb.context_index, nb.query_index
+    lin = LinearScores.of(ctx, ctx, clf._kind[cols], clf._card[cols], m.rng(0, 1))  # tested in test_linear
     model = load_model(export_dir)
     direct = np.zeros((len(X), 3))
     for c in range(3):
         is_c = (codes == c).astype(np.float32)
         share_c, share_q = is_c[want_c].mean(1), is_c[want_q].mean(1)
-        batch = target_batch(np.column_stack([ctx, share_c]), is_c, np.column_stack([ctx, share_q]),
-                             np.append(kind, NUMERIC), np.append(card, 0), 2)
+        lin_c, lin_q = lin.features(is_c)
+        batch = target_batch(np.column_stack([ctx, share_c, lin_c]), is_c, np.column_stack([ctx, share_q, lin_q]),
+                             np.append(kind, [NUMERIC, NUMERIC]), np.append(card, [0, 0]), 2)
         p = class_probabilities(forward_eval(model, batch, id_seed=m.seed & 0xFFFFFFFF))[:, :2].numpy()
         p_c = p[:, 1] / p.sum(1)
         direct[:, c] = p_c / (1 - p_c)  # combined by odds

@@ -39,6 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--n-estimators", type=int, default=4, help="ensemble members (default 4)")
     p.add_argument("--n-neighbors", default="5,20", metavar="K[,K...]",
                    help="sizes of the neighbour features, comma-separated; 0 = off (default 5,20)")
+    p.add_argument("--no-linear-features", dest="linear_features", action="store_false",
+                   help="leave out the linear-model feature column (default: on)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     return p
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--n-neighbors: expected comma-separated integers such as 5,20, got {args.n_neighbors!r}") from None
     params = dict(model=args.model, n_estimators=args.n_estimators, random_state=args.seed, device=args.device,
-                  n_neighbors=sizes)
+                  n_neighbors=sizes, linear_features=args.linear_features)
     est = TabFMClassifier(**params) if task == "classification" else TabFMRegressor(**params)
     try:
         est.fit(train, y)

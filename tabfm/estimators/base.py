@@ -26,6 +26,7 @@ from tabfm.inference import CellFn, ContextPredictor, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
+from .linear import LinearScores
 from .neighbors import Neighbors, neighbor_sizes
 
 DEFAULT_N_ESTIMATORS = 4
@@ -61,7 +62,8 @@ class Runtime:
 class View:
     """One member's view of the table for a separate target: its context rows (indices into the
     training rows), context and query features, their kinds and cardinalities as the model gets
-    them, and the rows' nearest context neighbours (None unless n_neighbors)."""
+    them, the rows' nearest context neighbours (None unless n_neighbors) and the context-fitted
+    linear scores (None unless linear_features)."""
 
     rows: np.ndarray
     ctx: np.ndarray
@@ -69,12 +71,14 @@ class View:
     kind: np.ndarray
     card: np.ndarray
     neighbors: Neighbors | None = None
+    linear: LinearScores | None = None
 
     def subset(self, sel: np.ndarray) -> "View":
         """The view with only the context rows where the boolean mask `sel` is set."""
         idx = np.flatnonzero(sel)
         nb = self.neighbors.subset(idx) if self.neighbors is not None else None
-        return dataclasses.replace(self, rows=self.rows[idx], ctx=self.ctx[idx], neighbors=nb)
+        lin = self.linear.subset(idx) if self.linear is not None else None
+        return dataclasses.replace(self, rows=self.rows[idx], ctx=self.ctx[idx], neighbors=nb, linear=lin)
 
 
 class TabFMEstimator(BaseEstimator):
@@ -121,6 +125,8 @@ class TabFMEstimator(BaseEstimator):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         neighbor_sizes(getattr(self, "n_neighbors", 0))
+        if not isinstance(getattr(self, "linear_features", False), (bool, np.bool_)):
+            raise ValueError(f"linear_features must be True or False, got {self.linear_features!r}")
         if getattr(self, "multiclass", MULTICLASS[0]) not in MULTICLASS:
             raise ValueError(f"multiclass must be one of {MULTICLASS}, got {self.multiclass!r}")
         if self.precision not in PRECISIONS:
@@ -271,6 +277,10 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  row's k nearest context rows for each k (classification: the share of the class;
                  leave-one-out on the context rows; see tabfm.estimators.neighbors). With the
                  shipped weights the largest gain measured (README, BENCHMARKS.md).
+    linear_features  show the model, as one more extra feature column per target, the score of a
+                 linear model of the target fitted on the context rows (logistic regression for a
+                 class, ridge for a number; out-of-fold on the context rows; see
+                 tabfm.estimators.linear). Default True.
     Other parameters: see TabFMEstimator.
     """
 
@@ -279,13 +289,14 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  categorical: str = "ordinal", numeric: str = "raw",
-                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS) -> None:
+                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size)
         self.categorical = categorical
         self.numeric = numeric
         self.n_neighbors = n_neighbors
+        self.linear_features = linear_features
 
     def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool) -> View:
         """A member's view of the table for the target `self.y_` (see View); classes: y_ holds class
@@ -301,20 +312,25 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                 ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
         sizes = neighbor_sizes(self.n_neighbors)
         neighbors = Neighbors.of(ctx, query, kind, card, sizes, self.y_[rows], classes) if sizes else None
+        linear = LinearScores.of(ctx, query, kind, card, member.rng(0, 1)) if self.linear_features else None
         if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
             kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
-        return View(rows, ctx, query, kind, card, neighbors)
+        return View(rows, ctx, query, kind, card, neighbors, linear)
 
     def _predict_target(self, rt: Runtime, view: View, context_y: np.ndarray, n_classes: int | None, fn: CellFn,
-                        neighbor_targets: np.ndarray | None = None) -> np.ndarray:
+                        feature_targets: np.ndarray | None = None) -> np.ndarray:
         """fn of the model's output for the target cell of every query row (target = last column).
 
-        neighbor_targets (n_context, m): when the view has neighbours, their neighbour means are
-        shown as m extra numeric feature columns (see tabfm.estimators.neighbors).
+        feature_targets (n_context, m): the view's neighbour means (m per neighbourhood size) and
+        linear scores (m) of these targets are shown as extra numeric feature columns (see
+        tabfm.estimators.neighbors and tabfm.estimators.linear).
         """
         context_x, query_x, kind, cardinality = view.ctx, view.query, view.kind, view.card
-        if view.neighbors is not None and neighbor_targets is not None:
-            extra_c, extra_q = view.neighbors.features(neighbor_targets)
+        extras = [] if feature_targets is None else [f.features(feature_targets)
+                                                     for f in (view.neighbors, view.linear) if f is not None]
+        if extras:
+            extra_c = np.hstack([c for c, _ in extras])
+            extra_q = np.hstack([q for _, q in extras])
             context_x, query_x = np.hstack([context_x, extra_c]), np.hstack([query_x, extra_q])
             kind = np.concatenate([kind, np.full(extra_c.shape[1], NUMERIC, dtype=kind.dtype)])
             cardinality = np.concatenate([cardinality, np.zeros(extra_c.shape[1], dtype=cardinality.dtype)])

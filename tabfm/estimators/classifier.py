@@ -1,10 +1,10 @@
 """TabFMClassifier: in-context classification of a separate target.
 
 Multi-class strategies (`multiclass`):
-- "ovr" (default): one binary task per class (class c against the rest, c's neighbour share as
-  the neighbour feature), P(c) proportional to the odds of that task's P(c). n passes per member, but
-  with the shipped weights far stronger than one n-way pass (public suite, BENCHMARKS.md), and
-  any number of classes works the same way.
+- "ovr" (default): one binary task per class (class c against the rest, c's neighbour share and
+  linear score as the extra features), P(c) proportional to the odds of that task's P(c). n
+  passes per member, but with the shipped weights far stronger than one n-way pass (public
+  suite, BENCHMARKS.md), and any number of classes works the same way.
 - "native": one n-way pass. More classes than the model's categorical head
   (K = model.config.max_categories) are grouped hierarchically: the classes (in each member's
   permuted order) are split into G = ceil(n / K) contiguous groups of at most K; the model
@@ -58,6 +58,8 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     multiclass   "ovr" (default) or "native": how more than two classes are predicted (module doc).
     n_neighbors  sizes k of the neighbour features (default (5, 20); 0 = off): each task also shows
                  the model the share of its class(es) among every row's k nearest context rows.
+    linear_features  each task also shows the model a logistic regression's logit of its class(es),
+                 fitted on the context rows (default True).
     Other parameters: see SupervisedTabFMEstimator and TabFMEstimator.
     """
 
@@ -66,10 +68,12 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  categorical: str = "ordinal", numeric: str = "raw",
-                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, multiclass: str = "ovr") -> None:
+                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
+                 multiclass: str = "ovr") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
-                         chunk_size=chunk_size, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors)
+                         chunk_size=chunk_size, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
+                         linear_features=linear_features)
         self.multiclass = multiclass
 
     def fit(self, X: Any, y: Any) -> "TabFMClassifier":
@@ -121,7 +125,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         odds = np.zeros((len(view.query), n))
         for c in range(n):
             is_c = (y == c).astype(np.int64)
-            p = self._predict_target(rt, view, is_c, 2, _probs_fn(2), neighbor_targets=is_c)
+            p = self._predict_target(rt, view, is_c, 2, _probs_fn(2), feature_targets=is_c)
             p_c = np.clip(p[:, 1] / np.clip(p.sum(1), 1e-12, None), ODDS_CLIP, 1.0 - ODDS_CLIP)
             odds[:, c] = p_c / (1.0 - p_c)
         return odds / odds.sum(1, keepdims=True)
@@ -130,7 +134,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         """(n_query, n) probabilities of codes 0..n-1 given context labels y, grouping when n > K."""
         k = rt.max_categories
         if n <= k:
-            return self._predict_target(rt, view, y, n, _probs_fn(n), neighbor_targets=_one_hot_rest(y, n))
+            return self._predict_target(rt, view, y, n, _probs_fn(n), feature_targets=_one_hot_rest(y, n))
         n_groups = math.ceil(n / k)
         group = np.arange(n) * n_groups // n  # contiguous, balanced: sizes <= ceil(n / n_groups) <= K
         top = self._class_tree(rt, view, group[y], n_groups)

@@ -26,7 +26,7 @@ QUERY_CHUNK = 1024  # query rows per distance block: bounds memory at QUERY_CHUN
 RELEVANCE_FLOOR = 0.1  # added to every coordinate's relevance (which lies in [0, 1])
 
 
-def _design(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray
+def design(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray]:
     """Context and query rows as points whose squared distances are the ones above."""
     parts_c, parts_q = [], []
@@ -97,7 +97,7 @@ class Neighbors:
         < 2 context rows."""
         if len(ctx) < 2:
             return None
-        a, b = _design(ctx, query, kind, cardinality)
+        a, b = design(ctx, query, kind, cardinality)
         if target is not None:
             w = relevance(a, np.asarray(target), classes)
             a, b = a * w, b * w

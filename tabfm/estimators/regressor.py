@@ -75,6 +75,6 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
         for m in members:
             view = self._supervised_view(m, x, classes=False)
             y = self.y_[view.rows]
-            total += self._predict_target(rt.for_member(m), view, y, None, fn, neighbor_targets=y).reshape(len(x), -1)
+            total += self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y).reshape(len(x), -1)
         total /= len(members)
         return total[:, 0], total[:, 1:]

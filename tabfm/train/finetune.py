@@ -297,8 +297,8 @@ def _finite(x: float) -> float | None:
 class HoldoutEval:
     """Scores a model in context on each table's held-out rows as the estimators use it:
     `TabFMClassifier` / `TabFMRegressor` fitted on the training rows (the context), predicting the
-    held-out rows, with what the training episodes show the model (n_neighbors=0, and
-    multiclass="native" for classes). Metrics per table: log-loss, accuracy, ROC-AUC (one-vs-rest for multiclass) or
+    held-out rows, with what the training episodes show the model (n_neighbors=0, linear_features=False,
+    and multiclass="native" for classes). Metrics per table: log-loss, accuracy, ROC-AUC (one-vs-rest for multiclass) or
     RMSE, R^2; `score` = mean over tables of log-loss or RMSE / std(training y). Lower is better."""
 
     def __init__(self, tables: list[FinetuneTable], cfg: FinetuneConfig) -> None:
@@ -308,11 +308,12 @@ class HoldoutEval:
         self.estimators = []
         for t in tables:
             kind = TabFMClassifier if t.task == CLASSIFICATION else TabFMRegressor
-            # scored the way it is trained: the table's own columns (no neighbour features, which the
-            # training episodes do not carry) and, for classes, one n-way pass
+            # scored the way it is trained: the table's own columns (no neighbour or linear features,
+            # which the training episodes do not carry) and, for classes, one n-way pass
             how = dict(multiclass="native") if t.task == CLASSIFICATION else {}
             est = kind(n_estimators=cfg.eval_estimators, random_state=cfg.seed, precision="fp32",
-                       max_context_rows=cfg.eval_context_rows, max_columns=cfg.max_columns, n_neighbors=0, **how)
+                       max_context_rows=cfg.eval_context_rows, max_columns=cfg.max_columns, n_neighbors=0,
+                       linear_features=False, **how)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 self.estimators.append(est.fit(t.train_X, t.train_y))  # encodes the context once; no model yet

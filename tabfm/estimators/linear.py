@@ -1,0 +1,86 @@
+"""Linear features: what a regularised linear model fitted on the context rows says about the target,
+shown as extra columns.
+
+A row's linear feature is the score of a linear model of the target on the member's feature columns
+(the design of tabfm.estimators.neighbors: numeric standardised on the context, categorical one-hot,
+missing at the mean): the logit of a logistic regression for a 0/1 target (one class against the
+rest), the prediction of a ridge regression otherwise. Context rows get out-of-fold scores (k-fold
+over the context rows, a row's score comes from a model that never saw it), query rows the score of
+the model fitted on all context rows; no query label is ever involved and a query row's score does
+not depend on the other query rows. Like the neighbour features, the model reads the column in
+context and learns from the context rows how far to trust it. A small in-context model misses
+smooth additive structure over many columns that a linear model catches at once (public suite:
+german 0.772 -> 0.793, pbc 0.788 -> 0.808; BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.linear_model import LogisticRegression, Ridge
+
+from .neighbors import design
+
+FOLDS = 5  # out-of-fold scores of the context rows: k-fold over them
+LOGISTIC_C = 1.0  # inverse L2 strength of the logistic regression (0/1 targets)
+RIDGE_ALPHA = 1.0  # L2 strength of the ridge regression (other targets)
+MAX_ITER = 200
+
+
+def _is_binary(t: np.ndarray) -> bool:
+    return bool(np.isin(t, (0.0, 1.0)).all())
+
+
+def _fit_score(train_x: np.ndarray, train_t: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Scores of the rows x from a linear model of train_t on train_x (constant target: its value,
+    or 0 = even odds for a 0/1 target with one class; no training row: 0)."""
+    if len(train_t) == 0:
+        return np.zeros(len(x))
+    binary = _is_binary(train_t)
+    if train_t.min() == train_t.max():
+        return np.zeros(len(x)) if binary else np.full(len(x), float(train_t[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # 200 lbfgs steps are plenty for a feature
+        if binary:
+            return LogisticRegression(C=LOGISTIC_C, max_iter=MAX_ITER).fit(train_x, train_t).decision_function(x)
+        return Ridge(alpha=RIDGE_ALPHA).fit(train_x, train_t).predict(x)
+
+
+class LinearScores:
+    """Out-of-fold linear scores of the context rows and full-context scores of the query rows, for
+    any target over the context rows (`features`)."""
+
+    def __init__(self, context_points: np.ndarray, query_points: np.ndarray, folds: np.ndarray) -> None:
+        if len(context_points) < 2:
+            raise ValueError(f"linear features need at least 2 context rows, got {len(context_points)}")
+        self._points = (context_points, query_points)
+        self.folds = np.asarray(folds)
+
+    @classmethod
+    def of(cls, ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+           rng: np.random.Generator) -> "LinearScores | None":
+        """Scores over the feature columns (kinds and cardinalities as encoded), the context rows
+        dealt at random into FOLDS folds; None with < 2 context rows."""
+        if len(ctx) < 2:
+            return None
+        a, b = design(ctx, query, kind, cardinality)
+        return cls(a, b, rng.permutation(len(a)) % min(FOLDS, len(a)))
+
+    def features(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Linear scores of each target column (n_context, m): (n_context, m) out of fold and
+        (n_query, m), float32."""
+        a, b = self._points
+        t = np.asarray(targets, dtype=np.float64).reshape(len(a), -1)
+        ctx, query = np.zeros(t.shape), np.zeros((len(b), t.shape[1]))
+        for j in range(t.shape[1]):
+            for f in np.unique(self.folds):
+                held = self.folds == f
+                ctx[held, j] = _fit_score(a[~held], t[~held, j], a[held])
+            query[:, j] = _fit_score(a, t[:, j], b)
+        return ctx.astype(np.float32), query.astype(np.float32)
+
+    def subset(self, rows: np.ndarray) -> "LinearScores | None":
+        """Scores from the context rows `rows` only (a sub-problem on part of the context)."""
+        a, b = self._points
+        return LinearScores(a[rows], b, self.folds[rows]) if len(rows) >= 2 else None

@@ -1,0 +1,95 @@
+"""Linear features: out-of-fold scores against sklearn fitted by hand, and what reaches the model."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.linear_model import LogisticRegression, Ridge
+
+from data.batch import CATEGORICAL, NUMERIC
+from tabfm.estimators import TabFMClassifier, TabFMRegressor
+from tabfm.estimators.linear import FOLDS, LOGISTIC_C, RIDGE_ALPHA, LinearScores
+from tabfm.estimators.neighbors import design
+from tests.test_estimators import export_dir  # noqa: F401  (the random-weight export fixture)
+
+NAN = float("nan")
+
+
+def small_table(n=60, m=9, seed=0):
+    rng = np.random.default_rng(seed)
+    x = np.column_stack([rng.normal(size=n + m) * 4 + 1, rng.integers(0, 3, n + m), rng.normal(size=n + m)])
+    x[[3, 11], 0] = NAN
+    x[[5, 62], 1] = NAN
+    kind, card = np.array([NUMERIC, CATEGORICAL, NUMERIC]), np.array([0, 3, 0])
+    return x[:n].astype(np.float32), x[n:].astype(np.float32), kind, card, rng
+
+
+def test_scores_are_sklearn_fits_out_of_fold():
+    ctx, query, kind, card, rng = small_table()
+    lin = LinearScores.of(ctx, query, kind, card, np.random.default_rng(1))
+    a, b = design(ctx, query, kind, card)  # the neighbours' design, tested in test_neighbors
+    assert sorted(np.bincount(lin.folds)) == [len(ctx) // FOLDS] * FOLDS  # dealt evenly
+    y = (ctx[:, 2] + rng.normal(size=len(ctx)) > 0).astype(float)
+    v = np.nan_to_num(ctx[:, 0]) * 2 + rng.normal(size=len(ctx))
+    fc, fq = lin.features(np.column_stack([y, v]))
+    assert fc.shape == (len(ctx), 2) and fq.shape == (len(query), 2) and fc.dtype == np.float32
+    # query rows: models fitted on every context row
+    np.testing.assert_allclose(fq[:, 0], LogisticRegression(C=LOGISTIC_C).fit(a, y).decision_function(b), atol=1e-4)
+    np.testing.assert_allclose(fq[:, 1], Ridge(alpha=RIDGE_ALPHA).fit(a, v).predict(b), rtol=1e-5, atol=1e-4)
+    # context rows: each fold scored by models fitted on the other folds
+    for f in range(FOLDS):
+        held = lin.folds == f
+        np.testing.assert_allclose(fc[held, 0], LogisticRegression(C=LOGISTIC_C).fit(a[~held], y[~held])
+                                   .decision_function(a[held]), atol=1e-4)
+    # a context row's own label never reaches its score; it does reach other folds' rows
+    flipped = y.copy()
+    flipped[0] = 1 - flipped[0]
+    fc2, fq2 = lin.features(flipped)
+    assert fc2[0, 0] == pytest.approx(fc[0, 0], abs=1e-6)
+    assert not np.allclose(fc2[lin.folds != lin.folds[0], 0], fc[lin.folds != lin.folds[0], 0])
+    # a query row's score does not depend on the other query rows
+    one = LinearScores.of(ctx, query[4:5], kind, card, np.random.default_rng(1)).features(y)[1]
+    assert one[0, 0] == pytest.approx(fq[4, 0], abs=1e-6)
+
+
+def test_degenerate_targets_and_subsets():
+    ctx, query, kind, card, _ = small_table()
+    lin = LinearScores.of(ctx, query, kind, card, np.random.default_rng(0))
+    fc, fq = lin.features(np.column_stack([np.zeros(len(ctx)), np.full(len(ctx), 3.5)]))
+    assert (fc[:, 0] == 0).all() and (fq[:, 0] == 0).all()  # one class: even odds
+    np.testing.assert_allclose(fc[:, 1], 3.5)  # a constant number predicts itself
+    np.testing.assert_allclose(fq[:, 1], 3.5)
+    rows = np.arange(0, len(ctx), 2)
+    sub = lin.subset(rows)
+    np.testing.assert_array_equal(sub.folds, lin.folds[rows])
+    y = (np.arange(len(rows)) % 3 == 0).astype(float)
+    a, b = design(ctx, query, kind, card)  # a subset keeps the whole context's standardisation
+    want = LogisticRegression(C=LOGISTIC_C).fit(a[rows], y).decision_function(b)
+    np.testing.assert_allclose(sub.features(y)[1][:, 0], want, atol=1e-4)
+    assert lin.subset(np.array([1])) is None and LinearScores.of(ctx[:1], query, kind, card, np.random.default_rng(0)) is None
+
+
+def table(n=70, seed=0):
+    rng = np.random.default_rng(seed)
+    X = pd.DataFrame({"a": rng.normal(size=n), "b": rng.choice(["u", "v", "w"], n), "c": rng.normal(size=n)})
+    y = np.where(X["a"] + 0.3 * rng.normal(size=n) > 0.2, "hi", "lo")
+    return X, y
+
+
+def test_linear_switch_reaches_the_model(export_dir):
+    X, y = table()
+    runs = {}
+    for lf in (False, True):
+        for k in (0, 5):
+            p = TabFMClassifier(model=export_dir, n_estimators=2, random_state=0, n_neighbors=k,
+                                linear_features=lf).fit(X, y).predict_proba(X[:20])
+            np.testing.assert_allclose(p.sum(1), 1.0, atol=1e-9)
+            runs[lf, k] = p
+    assert not np.allclose(runs[True, 0], runs[False, 0], atol=1e-4)
+    assert not np.allclose(runs[True, 5], runs[False, 5], atol=1e-4)
+    v = X["a"].to_numpy() * 3 + 1
+    a = TabFMRegressor(model=export_dir, n_estimators=1, random_state=0, linear_features=False).fit(X, v).predict(X[:10])
+    b = TabFMRegressor(model=export_dir, n_estimators=1, random_state=0).fit(X, v).predict(X[:10])
+    assert np.isfinite(b).all() and not np.allclose(a, b)
+    with pytest.raises(ValueError, match="linear_features"):
+        TabFMClassifier(model=export_dir, linear_features="yes").fit(X, y).predict(X)
