@@ -361,11 +361,11 @@ def test_context_rows_and_columns_above_the_limits(export_dir):
     contexts = [tuple(b.x[0, b.context[0], 0].tolist()) for b in stub.batches]
     assert len(set(contexts)) == 3  # each member draws its own rows
     stub.batches.clear()  # more feature columns than max_columns: a random subset per member
-    TabFMClassifier(model=stub, n_estimators=4, random_state=0, max_columns=2).fit(X, y).predict(X[:10])
-    subsets = [tuple(b.x[0, 0, :-4].tolist()) for b in stub.batches]
-    # 2 feature columns + the neighbour shares at k = 5 and 20 and the linear score (on top of
-    # max_columns) + the target
-    assert all(b.shape[2] == 6 for b in stub.batches) and len(set(subsets)) > 1
+    TabFMClassifier(model=stub, n_estimators=4, random_state=0, max_columns=2, linear_features=False).fit(
+        X, y).predict(X[:10])
+    subsets = [tuple(b.x[0, 0, :-3].tolist()) for b in stub.batches]
+    # 2 feature columns + the neighbour shares at k = 5 and 20 (on top of max_columns) + the target
+    assert all(b.shape[2] == 5 for b in stub.batches) and len(set(subsets)) > 1
     full = make(TabFMRegressor, export_dir).fit(X, X["a"]).predict(X[:10])
     sub = make(TabFMRegressor, export_dir, max_context_rows=30).fit(X, X["a"]).predict(X[:10])
     assert not np.allclose(full, sub)

@@ -26,12 +26,15 @@ from tabfm.inference import CellFn, ContextPredictor, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
-from .linear import LinearScores
+from .linear import LinearScores, worth_showing
 from .neighbors import Neighbors, neighbor_sizes
 
 DEFAULT_N_ESTIMATORS = 4
 DEFAULT_MAX_CONTEXT_ROWS = 2048
 DEFAULT_MAX_COLUMNS = 100
+# classifier / regressor: each member shows the model at most 32 encoded columns (the shipped weights
+# saw wider tables only with <= 256 rows) while its neighbour and linear features read every column
+DEFAULT_MAX_COLUMNS_SUPERVISED = 32
 DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_N_NEIGHBORS = (5, 20)
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -272,6 +275,9 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  ensemble averages both views). With the shipped weights the three are within
                  0.004 mean ROC-AUC of each other on the public suite's 9 hardest datasets
                  (BENCHMARKS.md).
+    max_columns  as in TabFMEstimator, default 32 here: a wider table shows each member a random
+                 subset of 32 encoded columns, while the neighbour and linear features below are
+                 computed over every column (digits, 61 columns: ROC-AUC 0.989 -> 0.998; BENCHMARKS.md).
     n_neighbors  neighbourhood sizes (default (5, 20); an int k is (k,); 0 = off): show the model,
                  as extra feature columns (on top of max_columns), the target's mean over each
                  row's k nearest context rows for each k (classification: the share of the class;
@@ -279,15 +285,16 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  shipped weights the largest gain measured (README, BENCHMARKS.md).
     linear_features  show the model, as one more extra feature column per target, the score of a
                  linear model of the target fitted on the context rows (logistic regression for a
-                 class, ridge for a number; out-of-fold on the context rows; see
-                 tabfm.estimators.linear). Default True.
+                 class, ridge for a number; out-of-fold on the context rows), where on the
+                 context rows it orders them by the target about as well as the neighbour
+                 means do or better (see tabfm.estimators.linear). Default True.
     Other parameters: see TabFMEstimator.
     """
 
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
                  random_state: int | np.random.RandomState | None = None, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
-                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
@@ -303,16 +310,18 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         codes (the context is then stratified by class)."""
         rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows,
                          self.y_ if classes else None)
-        cols = member.column_groups[0]
-        kind, card = self._kind[cols], self._card[cols]
-        ctx, query = member.view(self.train_x_[rows], cols), member.view(x_query, cols)
+        every = np.arange(self.train_x_.shape[1])
+        ctx, query = member.view(self.train_x_[rows], every), member.view(x_query, every)
         if member.numeric == "quantile":
-            for j in np.flatnonzero(kind == NUMERIC):
+            for j in np.flatnonzero(self._kind == NUMERIC):
                 query[:, j] = quantile_normal(ctx[:, j], query[:, j])
                 ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
+        # neighbour and linear features read every column, the model the member's own (max_columns)
         sizes = neighbor_sizes(self.n_neighbors)
-        neighbors = Neighbors.of(ctx, query, kind, card, sizes, self.y_[rows], classes) if sizes else None
-        linear = LinearScores.of(ctx, query, kind, card, member.rng(0, 1)) if self.linear_features else None
+        neighbors = Neighbors.of(ctx, query, self._kind, self._card, sizes, self.y_[rows], classes) if sizes else None
+        linear = LinearScores.of(ctx, query, self._kind, self._card, member.rng(0, 1)) if self.linear_features else None
+        cols = member.column_groups[0]
+        ctx, query, kind, card = ctx[:, cols], query[:, cols], self._kind[cols], self._card[cols]
         if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
             kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
         return View(rows, ctx, query, kind, card, neighbors, linear)
@@ -322,12 +331,18 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         """fn of the model's output for the target cell of every query row (target = last column).
 
         feature_targets (n_context, m): the view's neighbour means (m per neighbourhood size) and
-        linear scores (m) of these targets are shown as extra numeric feature columns (see
-        tabfm.estimators.neighbors and tabfm.estimators.linear).
+        linear scores (those worth showing, at most m) of these targets are shown as extra numeric
+        feature columns (see tabfm.estimators.neighbors and tabfm.estimators.linear).
         """
         context_x, query_x, kind, cardinality = view.ctx, view.query, view.kind, view.card
-        extras = [] if feature_targets is None else [f.features(feature_targets)
-                                                     for f in (view.neighbors, view.linear) if f is not None]
+        extras = []
+        if feature_targets is not None and view.neighbors is not None:
+            extras.append(view.neighbors.features(feature_targets))
+        if feature_targets is not None and view.linear is not None:
+            lin_c, lin_q = view.linear.features(feature_targets)
+            keep = worth_showing(lin_c, extras[0][0] if extras else None, feature_targets)
+            if keep.any():
+                extras.append((lin_c[:, keep], lin_q[:, keep]))
         if extras:
             extra_c = np.hstack([c for c, _ in extras])
             extra_q = np.hstack([q for _, q in extras])

@@ -30,7 +30,7 @@ from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities
 from tabfm.weights import DEFAULT_MODEL
 
-from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS,
+from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS,
                    DEFAULT_N_NEIGHBORS, Runtime, SupervisedTabFMEstimator, View)
 
 
@@ -66,7 +66,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
                  random_state: int | np.random.RandomState | None = None, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
-                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
                  multiclass: str = "ovr") -> None:
