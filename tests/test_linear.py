@@ -93,3 +93,55 @@ def test_linear_switch_reaches_the_model(export_dir):
     assert np.isfinite(b).all() and not np.allclose(a, b)
     with pytest.raises(ValueError, match="linear_features"):
         TabFMClassifier(model=export_dir, linear_features="yes").fit(X, y).predict(X)
+
+
+def test_concordance_and_the_showing_rule():
+    from scipy.stats import kendalltau
+    from sklearn.metrics import roc_auc_score
+
+    from tabfm.estimators.linear import LINEAR_TOLERANCE, concordance, worth_showing
+
+    rng = np.random.default_rng(3)
+    t = (rng.random(200) > 0.6).astype(float)
+    s = t + rng.normal(size=200)
+    assert concordance(s, t) == pytest.approx(roc_auc_score(t, s))
+    v = s + rng.normal(size=200)
+    assert concordance(s, v) == pytest.approx((1 + kendalltau(s, v).statistic) / 2)
+    assert concordance(s, np.ones(200)) == 0.5 and concordance(np.zeros(200), t) == 0.5
+    # two targets, neighbour means at two sizes (grouped by size: k1 t0, k1 t1, k2 t0, k2 t1)
+    u = (rng.random(200) > 0.5).astype(float)
+    good, good_u, noise = t + 0.3 * rng.normal(size=200), u + 0.3 * rng.normal(size=200), rng.normal(size=200)
+    nb = np.column_stack([noise, good_u, good, noise])  # best neighbour column: t at k2, u at k1
+    keep = worth_showing(np.column_stack([good, noise]), nb, np.column_stack([t, u]))
+    assert keep.tolist() == [True, False]  # equal to the best neighbour size / far below it
+    a_bit_worse = good + 0.2 * rng.normal(size=200)  # trails the best, within the tolerance
+    gap = concordance(good, t) - concordance(a_bit_worse, t)
+    assert 0 < gap < LINEAR_TOLERANCE and worth_showing(a_bit_worse[:, None], good[:, None], t).tolist() == [True]
+    assert worth_showing(noise[:, None], None, t).tolist() == [True]  # no neighbour features: always shown
+
+
+def test_features_read_every_column_the_model_the_members(export_dir):
+    """max_columns=2 on a 3-column table: the model gets 2 feature columns, but the neighbour shares
+    come from all 3 (members differ in their columns, not in their neighbours)."""
+    from data.batch import CATEGORICAL as CAT
+    from tabfm.estimators.neighbors import Neighbors
+    from tests.test_estimators import StubModel
+
+    X, y = table(80)
+    stub = StubModel()
+    clf = TabFMClassifier(model=stub, n_estimators=3, random_state=0, max_columns=2, n_neighbors=5,
+                          linear_features=False).fit(X, y)
+    clf.predict_proba(X[:10])
+    members = clf._members(cover_all=False, n_classes=2)
+    assert {len(m.column_groups[0]) for m in members} == {2} and len({tuple(m.column_groups[0]) for m in members}) > 1
+    every = np.arange(clf.train_x_.shape[1])
+    assert (clf._kind == CAT).sum() == 1
+    for m, batch in zip(members, stub.batches):
+        nb = Neighbors.of(m.view(clf.train_x_, every), m.view(clf._encode(X[:10])[1], every), clf._kind, clf._card,
+                          (5,), clf.y_, classes=True)
+        is_one = (m.class_perm[clf.y_] == 1).astype(float)
+        want_c, want_q = nb.features(is_one)
+        assert batch.shape[2] == 2 + 1 + 1  # member's columns, the share, the target
+        n = len(X)
+        np.testing.assert_allclose(batch.x[0, :n, 2].numpy(), want_c[:, 0], atol=1e-6)
+        np.testing.assert_allclose(batch.x[0, n:, 2].numpy(), want_q[:, 0], atol=1e-6)
