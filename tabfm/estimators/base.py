@@ -32,8 +32,8 @@ from .neighbors import Neighbors, neighbor_sizes
 DEFAULT_N_ESTIMATORS = 4
 DEFAULT_MAX_CONTEXT_ROWS = 2048
 DEFAULT_MAX_COLUMNS = 100
-# classifier / regressor: each member shows the model at most 32 encoded columns (the shipped weights
-# saw wider tables only with <= 256 rows) while its neighbour and linear features read every column
+# classifier / regressor: each member shows the model at most 32 encoded columns (the shipped weights saw
+# tables wider than 32 columns only with < 512 rows) while its neighbour and linear features read every column
 DEFAULT_MAX_COLUMNS_SUPERVISED = 32
 DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_N_NEIGHBORS = (5, 20)
