@@ -9,7 +9,8 @@ feature like any other column, in context: it learns from the context rows how f
 This is what lifts a small in-context model on tables where "similar rows share a label" carries
 much of the signal (e.g. tic-tac-toe, digits, phoneme; BENCHMARKS.md).
 
-Distances are Euclidean over the member's feature columns: numeric features standardised by the
+Distances are Euclidean over the feature columns given (the estimators give every column of the
+table, whatever subset a member shows the model): numeric features standardised by the
 context rows (a missing value sits at the mean), categorical features one-hot so that two
 different codes are 1 apart (a missing code is 1/2 from every code), and every such coordinate
 scaled by its relevance to the target on the context rows (`relevance`: the correlation ratio for
