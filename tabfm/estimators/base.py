@@ -310,18 +310,20 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         codes (the context is then stratified by class)."""
         rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows,
                          self.y_ if classes else None)
-        every = np.arange(self.train_x_.shape[1])
-        ctx, query = member.view(self.train_x_[rows], every), member.view(x_query, every)
-        if member.numeric == "quantile":
-            for j in np.flatnonzero(self._kind == NUMERIC):
-                query[:, j] = quantile_normal(ctx[:, j], query[:, j])
-                ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
         # neighbour and linear features read every column, the model the member's own (max_columns)
         sizes = neighbor_sizes(self.n_neighbors)
+        cols = member.column_groups[0]
+        read = np.arange(self.train_x_.shape[1]) if sizes or self.linear_features else cols
+        ctx, query = member.view(self.train_x_[rows], read), member.view(x_query, read)
+        if member.numeric == "quantile":
+            for j in np.flatnonzero(self._kind[read] == NUMERIC):
+                query[:, j] = quantile_normal(ctx[:, j], query[:, j])
+                ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
         neighbors = Neighbors.of(ctx, query, self._kind, self._card, sizes, self.y_[rows], classes) if sizes else None
         linear = LinearScores.of(ctx, query, self._kind, self._card, member.rng(0, 1)) if self.linear_features else None
-        cols = member.column_groups[0]
-        ctx, query, kind, card = ctx[:, cols], query[:, cols], self._kind[cols], self._card[cols]
+        if read is not cols:
+            ctx, query = ctx[:, cols], query[:, cols]
+        kind, card = self._kind[cols], self._card[cols]
         if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
             kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
         return View(rows, ctx, query, kind, card, neighbors, linear)
