@@ -3,8 +3,9 @@ shown as extra columns.
 
 A row's linear feature is the score of a linear model of the target on the feature columns given
 (the estimators give every column), on the design of tabfm.estimators.neighbors (numeric
-standardised on the context, categorical one-hot, missing at the mean): the logit of a logistic regression for a 0/1 target (one class against the
-rest), the prediction of a ridge regression otherwise. Context rows get out-of-fold scores (k-fold
+standardised on the context, categorical one-hot, missing at the mean): the logit of a logistic
+regression for a 0/1 target (one class against the rest), the prediction of a ridge regression
+otherwise. Context rows get out-of-fold scores (k-fold
 over the context rows, a row's score comes from a model that never saw it), query rows the score of
 the model fitted on all context rows; no query label is ever involved and a query row's score does
 not depend on the other query rows. Like the neighbour features, the model reads the column in
