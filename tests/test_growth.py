@@ -101,3 +101,32 @@ def test_run_model_config_reads_old_and_new_train_configs():
     assert run_model_config({"model": "tiny", "n_layers": 6, "cells_per_token": 2}).n_layers == 6
     assert run_model_config(PretrainConfig(n_layers=5)).n_layers == 5
     assert export_config(run_model_config(PretrainConfig(n_layers=5)), PretrainConfig(n_layers=5))["model"]["n_layers"] == 5
+
+
+def test_warm_start_packs_cells_of_a_g1_export(tmp_path):
+    """A G = 3 run starts from G = 1 weights: everything but the grouper is copied, and where each
+    token holds one cell (one-column tables) it computes exactly the G = 1 function."""
+    small = trained(2)
+    export_model(small, tmp_path / "g1", {"model": small.config.to_dict()})
+    grouped = TabFM(ModelConfig(**{**SMALL, "cells_per_token": 3})).eval()
+    warm_start(grouped, str(tmp_path / "g1"))
+    theirs = small.state_dict()
+    for name, value in grouped.state_dict().items():
+        if not name.startswith("grouper."):
+            assert torch.equal(value, theirs[name]), name
+    one_column = make_batch(seed=6)  # column 0 (numeric) alone; the others are padding
+    one_column.col_valid[:, 1:] = False
+    one_column.kind[:, 1:] = 0
+    one_column.cardinality[:, 1:] = 0
+    one_column.query &= one_column.col_valid[:, None, :]
+    one_column.validate()
+    with torch.no_grad():
+        a, b = small(one_column), grouped(one_column)
+    assert torch.equal(a.index, b.index)
+    torch.testing.assert_close(b.num_logits, a.num_logits, rtol=0, atol=1e-5)
+    wide = make_batch(c=5, seed=6)  # tokens of 3 cells: a different function, but a finite one
+    with torch.no_grad():
+        assert torch.isfinite(grouped(wide).num_logits).all()
+    export_model(grouped, tmp_path / "g3", {"model": grouped.config.to_dict()})
+    with pytest.raises(ValueError, match="cells_per_token"):  # G = 3 -> 1 is not a growth
+        warm_start(TabFM(ModelConfig(**SMALL)), str(tmp_path / "g3"))

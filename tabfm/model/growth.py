@@ -1,9 +1,14 @@
-"""Depth growth: a deeper model that starts as exactly the function of a trained shallower one.
+"""Growing a trained model into a larger or faster one without starting from scratch.
 
-Each trained block is repeated; the repeats keep its weights but start with zero output
-projections (attention `out`, MLP `fc2`), so they add nothing to the residual stream until
-training moves them (block expansion, as in LLaMA Pro). A CPU-trained `tiny` can so continue
-as a deeper model without losing what it has learned.
+Depth (`grow_depth`): each trained block is repeated; the repeats keep its weights but start
+with zero output projections (attention `out`, MLP `fc2`), so they add nothing to the residual
+stream until training moves them (block expansion, as in LLaMA Pro). A CPU-trained `tiny` can
+so continue as a deeper model, computing exactly its function at the start.
+
+Cells per token (`group_cells`): a G = 1 model becomes a G > 1 one (tabfm/model/grouping.py)
+whose blocks, encoder and heads keep their weights; a token starts as the sum of its cells'
+embeddings and every cell reads its token's final state. Exact only where a token holds a
+single cell (one-column tables); elsewhere it is a starting point that training must adapt.
 """
 from __future__ import annotations
 
@@ -42,3 +47,16 @@ def grow_depth(state: dict[str, torch.Tensor], old_layers: int, new_layers: int)
             zero = repeat and name in RESIDUAL_OUTPUTS
             out[f"blocks.{i}.{name}"] = torch.zeros_like(value) if zero else value.clone()
     return out
+
+
+def group_cells(state: dict[str, torch.Tensor], d_model: int, cells_per_token: int) -> dict[str, torch.Tensor]:
+    """A state dict for the same model with `cells_per_token` G > 1, from a G = 1 one: the grouper's
+    pack map sums a token's cells, its unpack map copies the token's state to every slot."""
+    if cells_per_token < 2:
+        raise ValueError(f"group_cells needs cells_per_token >= 2 (got {cells_per_token})")
+    if any(k.startswith("grouper.") for k in state):
+        raise ValueError("the weights already pack cells into tokens (they hold grouper weights)")
+    eye = torch.eye(d_model)
+    return {**state,
+            "grouper.pack_proj.weight": eye.repeat(1, cells_per_token),  # (d, G*d): sum of the G cells
+            "grouper.unpack_proj.weight": eye.repeat(cells_per_token, 1)}  # (G*d, d): each slot = the token

@@ -31,7 +31,7 @@ from data.table_episodes import EpisodeConfig
 from synth.dataset import SynthDataset, SynthLoader
 from synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
-from tabfm.model.growth import grow_depth
+from tabfm.model.growth import group_cells, grow_depth
 from tabfm.train.config import PretrainConfig, run_model_config
 from tabfm.train.evaluate import sklearn_eval, synthetic_eval
 from tabfm.train.optim import build_optimizer, warmup_cosine
@@ -160,7 +160,8 @@ def announce_resume(out: Path, trainer: Trainer, plugin: Plugin, seed: int) -> N
 
 def warm_start(model: TabFM, init: str) -> None:
     """Copy weights from an export (path or shipped name) into `model`; the model configs must agree,
-    except that `model` may have more blocks: then the init's blocks are repeated (tabfm.model.growth)."""
+    except that `model` may have more blocks (the init's blocks are repeated) and, from a G = 1
+    init, more cells per token (tabfm.model.growth)."""
     from tabfm.weights import resolve_model_path  # the estimator-side loader knows shipped names
 
     path = resolve_model_path(init)
@@ -168,6 +169,9 @@ def warm_start(model: TabFM, init: str) -> None:
     theirs = ModelConfig.from_dict(header["model"]).to_dict() if "model" in header else {}
     ours = model.config.to_dict()
     diff = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
+    if "cells_per_token" in diff and theirs.get("cells_per_token") == 1:
+        state = group_cells(state, ours["d_model"], ours["cells_per_token"])
+        diff.pop("cells_per_token")
     if set(diff) == {"n_layers"} and theirs["n_layers"] < ours["n_layers"]:
         state = grow_depth(state, theirs["n_layers"], ours["n_layers"])
     elif diff:
