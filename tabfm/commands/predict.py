@@ -41,6 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="sizes of the neighbour features, comma-separated; 0 = off (default 5,20)")
     p.add_argument("--no-linear-features", dest="linear_features", action="store_false",
                    help="leave out the linear-model feature column (default: on)")
+    p.add_argument("--no-linear-residual", dest="linear_residual", action="store_false",
+                   help="regression: predict the target itself, not a ridge regression's residual (default: residual)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     return p
@@ -86,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--n-neighbors: expected comma-separated integers such as 5,20, got {args.n_neighbors!r}") from None
     params = dict(model=args.model, n_estimators=args.n_estimators, random_state=args.seed, device=args.device,
                   n_neighbors=sizes, linear_features=args.linear_features)
-    est = TabFMClassifier(**params) if task == "classification" else TabFMRegressor(**params)
+    if not args.linear_residual and task == "classification":
+        raise ValueError("--no-linear-residual applies to regression only")
+    est = TabFMClassifier(**params) if task == "classification" else TabFMRegressor(**params,
+                                                                                  linear_residual=args.linear_residual)
     try:
         est.fit(train, y)
         if task == "classification":

@@ -66,7 +66,7 @@ class View:
     """One member's view of the table for a separate target: its context rows (indices into the
     training rows), context and query features, their kinds and cardinalities as the model gets
     them, the rows' nearest context neighbours (None unless n_neighbors) and the context-fitted
-    linear scores (None unless linear_features)."""
+    linear scores (None unless the estimator uses them: linear features, the regressor's residual)."""
 
     rows: np.ndarray
     ctx: np.ndarray
@@ -305,6 +305,10 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         self.n_neighbors = n_neighbors
         self.linear_features = linear_features
 
+    def _uses_linear(self) -> bool:
+        """Does a view need the context-fitted linear scores (View.linear)?"""
+        return bool(self.linear_features)
+
     def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool) -> View:
         """A member's view of the table for the target `self.y_` (see View); classes: y_ holds class
         codes (the context is then stratified by class)."""
@@ -313,14 +317,16 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         # neighbour and linear features read every column, the model the member's own (max_columns)
         sizes = neighbor_sizes(self.n_neighbors)
         cols = member.column_groups[0]
-        read = np.arange(self.train_x_.shape[1]) if sizes or self.linear_features else cols
+        want_linear = self._uses_linear()
+        read = np.arange(self.train_x_.shape[1]) if sizes or want_linear else cols
         ctx, query = member.view(self.train_x_[rows], read), member.view(x_query, read)
+        # a linear model reads the features as they are (a rank transform would bend linear relations)
+        linear = LinearScores.of(ctx, query, self._kind, self._card, member.rng(0, 1)) if want_linear else None
         if member.numeric == "quantile":
             for j in np.flatnonzero(self._kind[read] == NUMERIC):
                 query[:, j] = quantile_normal(ctx[:, j], query[:, j])
                 ctx[:, j] = quantile_normal(ctx[:, j], ctx[:, j])
         neighbors = Neighbors.of(ctx, query, self._kind, self._card, sizes, self.y_[rows], classes) if sizes else None
-        linear = LinearScores.of(ctx, query, self._kind, self._card, member.rng(0, 1)) if self.linear_features else None
         if read is not cols:
             ctx, query = ctx[:, cols], query[:, cols]
         kind, card = self._kind[cols], self._card[cols]
@@ -340,7 +346,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         extras = []
         if feature_targets is not None and view.neighbors is not None:
             extras.append(view.neighbors.features(feature_targets))
-        if feature_targets is not None and view.linear is not None:
+        if feature_targets is not None and view.linear is not None and self.linear_features:
             lin_c, lin_q = view.linear.features(feature_targets)
             keep = worth_showing(lin_c, extras[0][0] if extras else None, feature_targets)
             if keep.any():

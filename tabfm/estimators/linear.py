@@ -77,9 +77,9 @@ class LinearScores:
         a, b = design(ctx, query, kind, cardinality)
         return cls(a, b, rng.permutation(len(a)) % min(FOLDS, len(a)))
 
-    def features(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def features(self, targets: np.ndarray, dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray]:
         """Linear scores of each target column (n_context, m): (n_context, m) out of fold and
-        (n_query, m), float32."""
+        (n_query, m), in `dtype` (float32 as model input; float64 as the regressor's baseline)."""
         a, b = self._points
         t = np.asarray(targets, dtype=np.float64).reshape(len(a), -1)
         ctx, query = np.zeros(t.shape), np.zeros((len(b), t.shape[1]))
@@ -88,7 +88,7 @@ class LinearScores:
                 held = self.folds == f
                 ctx[held, j] = _fit_score(a[~held], t[~held, j], a[held])
             query[:, j] = _fit_score(a, t[:, j], b)
-        return ctx.astype(np.float32), query.astype(np.float32)
+        return ctx.astype(dtype), query.astype(dtype)
 
     def subset(self, rows: np.ndarray) -> "LinearScores | None":
         """Scores from the context rows `rows` only (a sub-problem on part of the context)."""
