@@ -11,7 +11,7 @@ full-context fit for the query rows) and the model predicts in context what the 
 a row's distribution is the model's distribution of its residual shifted by its ridge
 prediction. The model's numeric head has 64 bins over +-10 context standard deviations, so on
 its own it resolves a target no finer than ~0.3 of its spread; the residual's spread is what
-is left after the linear part (offline regression suite, 15 tables: mean R^2 0.680 -> 0.723;
+is left after the linear part (offline regression suite, 15 tables: mean R^2 0.680 -> 0.725;
 BENCHMARKS.md).
 """
 from __future__ import annotations
