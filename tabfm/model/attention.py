@@ -4,7 +4,7 @@ Both use one fused qkv Linear whose output features are laid out head-major
 (head, {q,k,v}, head_dim): a column-wise tensor-parallel shard of it then holds whole heads,
 and the module infers its local head count from the width it receives. Attention itself is
 `F.scaled_dot_product_attention` with a boolean key mask broadcast over heads and queries
-(see `attend` for the one CPU exception).
+(see `attend` for the CPU exceptions in bf16).
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import cpu_attention
+
 
 CPU_BF16_EXPLICIT_MAX_KEYS = 128
 
@@ -22,13 +24,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Attention (N, H, L, hd) x (N, H, S, hd) -> (N, H, L, hd); mask broadcastable to (N, H, L, S).
 
     `F.scaled_dot_product_attention` everywhere, except on CPU in reduced precision: there
-    its backward is much slower than plain matmuls for short key sets (measured on torch
-    2.13, 16 keys: ~10x) and slower than fp32 SDPA for long ones, so short key sets use the
-    explicit formula (softmax in fp32) and long ones run SDPA in fp32.
+    torch has no fast bf16 attention (its flash kernel computes in fp32; measured on torch
+    2.13), so short key sets use the explicit formula (softmax in fp32), and long ones the
+    fused bf16 kernel of `cpu_attention` (AVX512-BF16), or SDPA in fp32 where that kernel
+    cannot run (with a warning).
     """
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     if k.shape[-2] > CPU_BF16_EXPLICIT_MAX_KEYS:
+        if cpu_attention.supports(q, k, mask, dropout_p):
+            if cpu_attention.available():
+                return cpu_attention.fused_attention(q, k, v, mask)
+            cpu_attention.warn_unavailable_once()
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
         return out.to(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
