@@ -28,20 +28,13 @@ namespace {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-inline bf16 float_to_bf16(float f) {  // round to nearest even (finite inputs)
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return bf16(u >> 16);
-}
-
 // ---------------------------------------------------------------- GEMM micro-kernels
-// C[MR x 16*NR] = A[MR x 2*Kp] * Bp, Bp already offset to the first column (row stride 2*ldb).
+// C[MR x 16*NR] (+)= A[MR x 2*Kp] * Bp, Bp already offset to the first column (row stride 2*ldb).
 template <int MR, int NR>
-inline void ukernel(const bf16* A, int64_t lda, const bf16* Bp, int64_t ldb, int64_t Kp, float* C, int64_t ldc) {
+inline void ukernel(const bf16* A, int64_t lda, const bf16* Bp, int64_t ldb, int64_t Kp, float* C, int64_t ldc, bool add) {
     __m512 acc[MR][NR];
     for (int i = 0; i < MR; ++i)
-        for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
+        for (int r = 0; r < NR; ++r) acc[i][r] = add ? _mm512_loadu_ps(C + i * ldc + 16 * r) : _mm512_setzero_ps();
     for (int64_t kp = 0; kp < Kp; ++kp) {
         __m512i b[NR];
         for (int r = 0; r < NR; ++r) b[r] = _mm512_loadu_si512((const void*)(Bp + (kp * ldb + 16 * r) * 2));
@@ -58,32 +51,33 @@ inline void ukernel(const bf16* A, int64_t lda, const bf16* Bp, int64_t ldb, int
 
 template <int MR, int NR>
 struct Rows {  // dispatch a row remainder m <= MR to the kernel of exactly m rows
-    static void run(int m, const bf16* A, int64_t lda, const bf16* Bp, int64_t ldb, int64_t Kp, float* C, int64_t ldc) {
-        if (m == MR) ukernel<MR, NR>(A, lda, Bp, ldb, Kp, C, ldc);
-        else Rows<MR - 1, NR>::run(m, A, lda, Bp, ldb, Kp, C, ldc);
+    static void run(int m, const bf16* A, int64_t lda, const bf16* Bp, int64_t ldb, int64_t Kp, float* C, int64_t ldc, bool add) {
+        if (m == MR) ukernel<MR, NR>(A, lda, Bp, ldb, Kp, C, ldc, add);
+        else Rows<MR - 1, NR>::run(m, A, lda, Bp, ldb, Kp, C, ldc, add);
     }
 };
 template <int NR>
 struct Rows<0, NR> {
-    static void run(int, const bf16*, int64_t, const bf16*, int64_t, int64_t, float*, int64_t) {}
+    static void run(int, const bf16*, int64_t, const bf16*, int64_t, int64_t, float*, int64_t, bool) {}
 };
 
 template <int MR, int NR>
-void gemm_cols(int64_t M, const bf16* A, int64_t lda, const bf16* Bp, int64_t ldb, int64_t Kp, float* C, int64_t ldc) {
+void gemm_cols(int64_t M, const bf16* A, int64_t lda, const bf16* Bp, int64_t ldb, int64_t Kp, float* C, int64_t ldc, bool add) {
     int64_t i = 0;
-    for (; i + MR <= M; i += MR) ukernel<MR, NR>(A + i * lda, lda, Bp, ldb, Kp, C + i * ldc, ldc);
-    if (i < M) Rows<MR, NR>::run(int(M - i), A + i * lda, lda, Bp, ldb, Kp, C + i * ldc, ldc);
+    for (; i + MR <= M; i += MR) ukernel<MR, NR>(A + i * lda, lda, Bp, ldb, Kp, C + i * ldc, ldc, add);
+    if (i < M) Rows<MR, NR>::run(int(M - i), A + i * lda, lda, Bp, ldb, Kp, C + i * ldc, ldc, add);
 }
 
-// C (M x Npad fp32, ldc) = A (M x 2*Kp bf16, lda) * Bp (Kp x Npad x 2 packed); Npad % 16 == 0.
-void gemm(int64_t M, int64_t Npad, int64_t Kp, const bf16* A, int64_t lda, const bf16* Bp, float* C, int64_t ldc) {
+// C (M x Npad fp32, ldc) (+)= A (M x 2*Kp bf16, lda) * Bp (Kp x Npad x 2 packed); Npad % 16 == 0.
+void gemm(int64_t M, int64_t Npad, int64_t Kp, const bf16* A, int64_t lda, const bf16* Bp, float* C, int64_t ldc,
+          bool add = false) {
     const int64_t nv = Npad / 16;
     int64_t j = 0;
-    for (; j + 4 <= nv; j += 4) gemm_cols<6, 4>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc);
+    for (; j + 4 <= nv; j += 4) gemm_cols<6, 4>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc, add);
     switch (nv - j) {
-        case 3: gemm_cols<8, 3>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc); break;
-        case 2: gemm_cols<12, 2>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc); break;
-        case 1: gemm_cols<16, 1>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc); break;
+        case 3: gemm_cols<8, 3>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc, add); break;
+        case 2: gemm_cols<12, 2>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc, add); break;
+        case 1: gemm_cols<16, 1>(M, A, lda, Bp + 32 * j, Npad, Kp, C + 16 * j, ldc, add); break;
         default: break;
     }
 }
@@ -110,6 +104,32 @@ inline void store_pair(bf16* dst, __m512 a, __m512 b) {
 
 inline void store_bf16(bf16* dst, __m512 a) { _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(a)); }
 
+// dst[i*D + d] = bf16(src[i*lds + d] * row_scale[i]) for i < M, d < D (row_scale null = 1).
+void rows_out(const float* src, int64_t lds, int64_t M, int64_t D, const float* row_scale, bf16* dst) {
+    for (int64_t i = 0; i < M; ++i) {
+        const __m512 f = _mm512_set1_ps(row_scale ? row_scale[i] : 1.0f);
+        for (int64_t d = 0; d < D; d += 16) {
+            const __mmask16 m = d + 16 <= D ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
+            __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + i * lds + d), f));
+            _mm256_mask_storeu_epi16(dst + i * D + d, m, b);
+        }
+    }
+}
+
+// dst[j*D + d] = bf16(src[d*lds + j]) for j < S, d < D: a transposed GEMM result back to rows.
+void cols_out(const float* src, int64_t lds, int64_t S, int64_t D, bf16* dst) {
+    alignas(64) int32_t idx[16];
+    for (int t = 0; t < 16; ++t) idx[t] = int32_t(t * lds);
+    const __m512i vidx = _mm512_load_si512(idx);
+    for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m = d + 16 <= D ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
+        for (int64_t j = 0; j < S; ++j) {
+            __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, vidx, src + d * lds + j, 4);
+            _mm256_mask_storeu_epi16(dst + j * D + d, m, (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    }
+}
+
 // exp on [-88, 88] (clamped): 2^n * p(r), r = x - n ln 2, degree-6 Taylor (rel. error ~2e-7).
 inline __m512 exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
@@ -127,54 +147,36 @@ inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-struct Shape {
-    int64_t H, L, S, D, Lpad, Spad, Dpad;
-    Shape(int64_t H_, int64_t L_, int64_t S_, int64_t D_)
-        : H(H_), L(L_), S(S_), D(D_), Lpad(round_up(L_, 16)), Spad(round_up(S_, 16)), Dpad(round_up(D_, 16)) {}
-};
+constexpr int64_t BR = 64;  // query rows per block: a block's scores and dP stay in L1/L2
 
 struct Scratch {
-    std::vector<bf16> pack;      // packed B operand
-    std::vector<float> s;        // L x Spad scores, then probabilities (fp32)
-    std::vector<float> dp;       // L x Spad dP
-    std::vector<float> out;      // max(L, D, S) x max(Dpad, Spad) fp32 GEMM results
-    std::vector<bf16> p;         // L x Spad probabilities (bf16, row-major)
-    std::vector<bf16> p_pairs;   // Lpad/2 x Spad x 2: P packed as a B operand over rows
-    std::vector<bf16> ds;        // L x Spad dS (bf16, row-major)
-    std::vector<bf16> ds_pairs;  // Lpad/2 x Spad x 2
-    std::vector<bf16> qt, dot;   // D x Lpad: Q^T, dO^T (row-major, zero padded)
+    std::vector<bf16> kt, vt, kn, vn;  // packed B operands: K^T, V^T (D/2 x Spad x 2); K, V (Spad/2 x Dpad x 2)
+    std::vector<float> s, dp;          // BR x Spad: scores, then probabilities (fp32); dP
+    std::vector<bf16> p, ds;           // BR x Spad bf16 row-major: P (forward), dS (backward)
+    std::vector<bf16> p_pairs, ds_pairs;  // BR/2 x Spad x 2: P, dS packed as B operands over rows
+    std::vector<bf16> qt, dot;         // D x BR: Q^T, dO^T of a block (A operands)
+    std::vector<float> dvt, dkt;       // D x Spad: dV^T, dK^T accumulated over blocks
+    std::vector<float> out;            // BR x Dpad: O or dQ of a block
     std::vector<float> bias, keep, drow;
-    void fit(const Shape& z) {
-        const int64_t big = std::max({z.D * z.Spad, z.Spad * z.Dpad, z.Lpad * z.Dpad});
-        if ((int64_t)pack.size() < big) pack.resize(big);
-        const int64_t ls = z.Lpad * z.Spad;
-        if ((int64_t)s.size() < ls) { s.resize(ls); dp.resize(ls); p.resize(ls); p_pairs.resize(ls); ds.resize(ls); ds_pairs.resize(ls); }
-        const int64_t o = std::max({z.Lpad, z.Spad, z.Dpad}) * std::max(z.Dpad, z.Spad);
-        if ((int64_t)out.size() < o) out.resize(o);
-        if ((int64_t)qt.size() < z.Dpad * z.Lpad) { qt.resize(z.Dpad * z.Lpad); dot.resize(z.Dpad * z.Lpad); }
-        if ((int64_t)bias.size() < z.Spad) { bias.resize(z.Spad); keep.resize(z.Spad); }
-        if ((int64_t)drow.size() < z.Lpad) drow.resize(z.Lpad);
+    template <class T>
+    static T* fit(std::vector<T>& v, int64_t n) {
+        if ((int64_t)v.size() < n) v.resize(n);
+        return v.data();
     }
 };
 
 thread_local Scratch scratch;
 
 // bias (0 / -1e30) and keep (1 / 0) per key column, padding columns hidden; returns #visible.
-int64_t key_masks(const Shape& z, const uint8_t* mask_row, float* bias, float* keep) {
+int64_t key_masks(int64_t S, int64_t Spad, const uint8_t* mask_row, float* bias, float* keep) {
     int64_t visible = 0;
-    for (int64_t j = 0; j < z.Spad; ++j) {
-        const bool vis = j < z.S && (mask_row == nullptr || mask_row[j]);
+    for (int64_t j = 0; j < Spad; ++j) {
+        const bool vis = j < S && (mask_row == nullptr || mask_row[j]);
         bias[j] = vis ? 0.0f : -1e30f;
         keep[j] = vis ? 1.0f : 0.0f;
         visible += vis;
     }
     return visible;
-}
-
-// s (L x Spad) <- scale * Q K^T, Q (L x D) row-major.
-void scores(const Shape& z, const bf16* Q, const bf16* K, Scratch& w) {
-    pack_b(K, 1, z.D, z.D, z.S, z.D / 2, z.Spad, w.pack.data());
-    gemm(z.L, z.Spad, z.D / 2, Q, z.D, w.pack.data(), w.s.data(), z.Spad);
 }
 
 }  // namespace
@@ -185,130 +187,140 @@ int tabfm_attn_bf16_supported() { return __builtin_cpu_supports("avx512bf16") &&
 
 void tabfm_attn_bf16_fwd(const bf16* q, const bf16* k, const bf16* v, const uint8_t* mask, bf16* o, float* lse,
                          int64_t begin, int64_t end, int64_t H, int64_t L, int64_t S, int64_t D, float scale) {
-    const Shape z(H, L, S, D);
+    const int64_t Spad = round_up(S, 16), Dpad = round_up(D, 16);
     Scratch& w = scratch;
-    w.fit(z);
+    bf16* kt = Scratch::fit(w.kt, D * Spad);
+    bf16* vn = Scratch::fit(w.vn, Spad * Dpad);
+    float* sb = Scratch::fit(w.s, BR * Spad);
+    bf16* pb = Scratch::fit(w.p, BR * Spad);
+    float* out = Scratch::fit(w.out, BR * Dpad);
+    float* bias = Scratch::fit(w.bias, Spad);
+    float* keep = Scratch::fit(w.keep, Spad);
+    float* inv_l = Scratch::fit(w.drow, BR);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t sl = begin; sl < end; ++sl) {
-        const int64_t n = sl / H;
         const bf16 *Q = q + sl * L * D, *K = k + sl * S * D, *V = v + sl * S * D;
-        const int64_t visible = key_masks(z, mask ? mask + n * S : nullptr, w.bias.data(), w.keep.data());
-        scores(z, Q, K, w);
-        for (int64_t i = 0; i < L; ++i) {
-            float* srow = w.s.data() + i * z.Spad;
-            bf16* prow = w.p.data() + i * z.Spad;
-            if (visible == 0) {
-                std::fill(prow, prow + z.Spad, bf16(0));
-                lse[sl * L + i] = INFINITY;
-                continue;
+        const int64_t visible = key_masks(S, Spad, mask ? mask + (sl / H) * S : nullptr, bias, keep);
+        pack_b(K, 1, D, D, S, D / 2, Spad, kt);     // B[d][j] = K[j][d]
+        pack_b(V, D, 1, S, D, Spad / 2, Dpad, vn);  // B[j][d] = V[j][d]
+        for (int64_t r0 = 0; r0 < L; r0 += BR) {
+            const int64_t rb = std::min(BR, L - r0);
+            gemm(rb, Spad, D / 2, Q + r0 * D, D, kt, sb, Spad);
+            for (int64_t i = 0; i < rb; ++i) {
+                const float* srow = sb + i * Spad;
+                bf16* prow = pb + i * Spad;
+                if (visible == 0) {
+                    std::fill(prow, prow + Spad, bf16(0));
+                    inv_l[i] = 0.0f;
+                    lse[sl * L + r0 + i] = INFINITY;
+                    continue;
+                }
+                __m512 m = _mm512_set1_ps(-1e30f);
+                for (int64_t j = 0; j < Spad; j += 16)
+                    m = _mm512_max_ps(m, _mm512_fmadd_ps(_mm512_loadu_ps(srow + j), vscale, _mm512_loadu_ps(bias + j)));
+                const float mx = _mm512_reduce_max_ps(m);
+                const __m512 vm = _mm512_set1_ps(-mx);
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < Spad; j += 16) {  // unnormalised probabilities (<= 1); 1/l scales O
+                    __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(srow + j), vscale, _mm512_add_ps(_mm512_loadu_ps(bias + j), vm));
+                    __m512 e = _mm512_mul_ps(exp512(x), _mm512_loadu_ps(keep + j));
+                    store_bf16(prow + j, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                const float l = _mm512_reduce_add_ps(sum);
+                inv_l[i] = 1.0f / l;
+                lse[sl * L + r0 + i] = mx + std::log(l);
             }
-            __m512 m = _mm512_set1_ps(-1e30f);
-            for (int64_t j = 0; j < z.Spad; j += 16) {
-                __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(srow + j), vscale, _mm512_loadu_ps(w.bias.data() + j));
-                _mm512_storeu_ps(srow + j, x);
-                m = _mm512_max_ps(m, x);
-            }
-            const float mx = _mm512_reduce_max_ps(m);
-            __m512 sum = _mm512_setzero_ps();
-            const __m512 vm = _mm512_set1_ps(mx);
-            for (int64_t j = 0; j < z.Spad; j += 16) {
-                __m512 e = _mm512_mul_ps(exp512(_mm512_sub_ps(_mm512_loadu_ps(srow + j), vm)), _mm512_loadu_ps(w.keep.data() + j));
-                _mm512_storeu_ps(srow + j, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            const float l = _mm512_reduce_add_ps(sum);
-            const __m512 inv = _mm512_set1_ps(1.0f / l);
-            for (int64_t j = 0; j < z.Spad; j += 16) store_bf16(prow + j, _mm512_mul_ps(_mm512_loadu_ps(srow + j), inv));
-            lse[sl * L + i] = mx + std::log(l);
+            gemm(rb, Dpad, Spad / 2, pb, Spad, vn, out, Dpad);  // O = (P V) / l
+            rows_out(out, Dpad, rb, D, inv_l, o + sl * L * D + r0 * D);
         }
-        // O = P V
-        pack_b(V, z.D, 1, z.S, z.D, z.Spad / 2, z.Dpad, w.pack.data());
-        gemm(z.L, z.Dpad, z.Spad / 2, w.p.data(), z.Spad, w.pack.data(), w.out.data(), z.Dpad);
-        bf16* O = o + sl * L * D;
-        for (int64_t i = 0; i < L; ++i)
-            for (int64_t d = 0; d < D; ++d) O[i * D + d] = float_to_bf16(w.out[i * z.Dpad + d]);
     }
 }
 
 void tabfm_attn_bf16_bwd(const bf16* q, const bf16* k, const bf16* v, const uint8_t* mask, const float* lse,
                          const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
                          int64_t begin, int64_t end, int64_t H, int64_t L, int64_t S, int64_t D, float scale) {
-    const Shape z(H, L, S, D);
+    const int64_t Spad = round_up(S, 16), Dpad = round_up(D, 16);
     Scratch& w = scratch;
-    w.fit(z);
+    bf16* kt = Scratch::fit(w.kt, D * Spad);
+    bf16* vt = Scratch::fit(w.vt, D * Spad);
+    bf16* kn = Scratch::fit(w.kn, Spad * Dpad);
+    float* sb = Scratch::fit(w.s, BR * Spad);
+    float* dpb = Scratch::fit(w.dp, BR * Spad);
+    bf16* dsb = Scratch::fit(w.ds, BR * Spad);
+    bf16* pp = Scratch::fit(w.p_pairs, BR * Spad);
+    bf16* dsp = Scratch::fit(w.ds_pairs, BR * Spad);
+    bf16* qt = Scratch::fit(w.qt, D * BR);
+    bf16* dot = Scratch::fit(w.dot, D * BR);
+    float* dvt = Scratch::fit(w.dvt, D * Spad);
+    float* dkt = Scratch::fit(w.dkt, D * Spad);
+    float* out = Scratch::fit(w.out, BR * Dpad);
+    float* bias = Scratch::fit(w.bias, Spad);
+    float* keep = Scratch::fit(w.keep, Spad);
+    float* drow = Scratch::fit(w.drow, BR);
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t sl = begin; sl < end; ++sl) {
-        const int64_t n = sl / H;
-        const bf16 *Q = q + sl * L * D, *K = k + sl * S * D, *V = v + sl * S * D;
-        const bf16* dO = dout + sl * L * D;
+        const bf16 *Q = q + sl * L * D, *K = k + sl * S * D, *V = v + sl * S * D, *dO = dout + sl * L * D;
         const float* LSE = lse + sl * L;
-        key_masks(z, mask ? mask + n * S : nullptr, w.bias.data(), w.keep.data());
-        // P = exp(scale * Q K^T + bias - lse) * keep   (fp32 in s)
-        scores(z, Q, K, w);
-        for (int64_t i = 0; i < L; ++i) {
-            float* srow = w.s.data() + i * z.Spad;
-            const __m512 vl = _mm512_set1_ps(std::isinf(LSE[i]) ? 1e30f : LSE[i]);
-            for (int64_t j = 0; j < z.Spad; j += 16) {
-                __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(srow + j), vscale, _mm512_loadu_ps(w.bias.data() + j));
-                _mm512_storeu_ps(srow + j, _mm512_mul_ps(exp512(_mm512_sub_ps(x, vl)), _mm512_loadu_ps(w.keep.data() + j)));
-            }
-        }
-        // dP = dO V^T
-        pack_b(V, 1, z.D, z.D, z.S, z.D / 2, z.Spad, w.pack.data());
-        gemm(z.L, z.Spad, z.D / 2, dO, z.D, w.pack.data(), w.dp.data(), z.Spad);
-        // Drow_i = sum_j P_ij dP_ij (= dO_i . O_i in exact arithmetic; from the same fp32 P,
-        // so each row of dS sums to zero up to rounding, as the softmax gradient must)
-        for (int64_t i = 0; i < L; ++i) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t j = 0; j < z.Spad; j += 16)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(w.s.data() + i * z.Spad + j), _mm512_loadu_ps(w.dp.data() + i * z.Spad + j), acc);
-            w.drow[i] = _mm512_reduce_add_ps(acc);
-        }
-        // dS = scale * P * (dP - Drow): row-major (for dQ) and row-paired (for dK^T); P row-paired (for dV^T)
-        for (int64_t i = 0; i < z.Lpad; i += 2) {
-            const bool has0 = i < L, has1 = i + 1 < L;
-            bf16* pp = w.p_pairs.data() + (i / 2) * z.Spad * 2;
-            bf16* dsp = w.ds_pairs.data() + (i / 2) * z.Spad * 2;
-            const __m512 d0 = _mm512_set1_ps(has0 ? w.drow[i] : 0.0f), d1 = _mm512_set1_ps(has1 ? w.drow[i + 1] : 0.0f);
-            for (int64_t j = 0; j < z.Spad; j += 16) {
-                __m512 p0 = zero, p1 = zero, s0 = zero, s1 = zero;
-                if (has0) {
-                    p0 = _mm512_loadu_ps(w.s.data() + i * z.Spad + j);
-                    s0 = _mm512_mul_ps(_mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(w.dp.data() + i * z.Spad + j), d0)), vscale);
-                    store_bf16(w.ds.data() + i * z.Spad + j, s0);
+        key_masks(S, Spad, mask ? mask + (sl / H) * S : nullptr, bias, keep);
+        pack_b(K, 1, D, D, S, D / 2, Spad, kt);     // B[d][j] = K[j][d]
+        pack_b(V, 1, D, D, S, D / 2, Spad, vt);     // B[d][j] = V[j][d]
+        pack_b(K, D, 1, S, D, Spad / 2, Dpad, kn);  // B[j][d] = K[j][d]
+        for (int64_t r0 = 0; r0 < L; r0 += BR) {
+            const int64_t rb = std::min(BR, L - r0), rb2 = round_up(rb, 2);
+            const bf16 *Qb = Q + r0 * D, *dOb = dO + r0 * D;
+            gemm(rb, Spad, D / 2, dOb, D, vt, dpb, Spad);  // dP = dO V^T
+            gemm(rb, Spad, D / 2, Qb, D, kt, sb, Spad);    // Q K^T
+            // P = exp(scale * Q K^T + bias - lse) * keep (fp32, in place) and Drow_i = sum_j P_ij dP_ij
+            // (= dO_i . O_i in exact arithmetic; from the same fp32 P, so each row of dS sums to
+            // zero up to rounding, as the softmax gradient must)
+            for (int64_t i = 0; i < rb; ++i) {
+                float* srow = sb + i * Spad;
+                const float* dprow = dpb + i * Spad;
+                const float li = LSE[r0 + i];
+                const __m512 vl = _mm512_set1_ps(std::isinf(li) ? -1e30f : -li);
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t j = 0; j < Spad; j += 16) {
+                    __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(srow + j), vscale, _mm512_add_ps(_mm512_loadu_ps(bias + j), vl));
+                    __m512 pj = _mm512_mul_ps(exp512(x), _mm512_loadu_ps(keep + j));
+                    _mm512_storeu_ps(srow + j, pj);
+                    acc = _mm512_fmadd_ps(pj, _mm512_loadu_ps(dprow + j), acc);
                 }
-                if (has1) {
-                    p1 = _mm512_loadu_ps(w.s.data() + (i + 1) * z.Spad + j);
-                    s1 = _mm512_mul_ps(_mm512_mul_ps(p1, _mm512_sub_ps(_mm512_loadu_ps(w.dp.data() + (i + 1) * z.Spad + j), d1)), vscale);
-                    store_bf16(w.ds.data() + (i + 1) * z.Spad + j, s1);
+                drow[i] = _mm512_reduce_add_ps(acc);
+            }
+            // dS = scale * P * (dP - Drow): row-major (for dQ), row-paired (for dK^T); P row-paired (for dV^T)
+            for (int64_t i = 0; i < rb2; i += 2) {
+                const bool has1 = i + 1 < rb;
+                const __m512 d0 = _mm512_set1_ps(drow[i]), d1 = _mm512_set1_ps(has1 ? drow[i + 1] : 0.0f);
+                for (int64_t j = 0; j < Spad; j += 16) {
+                    const __m512 p0 = _mm512_loadu_ps(sb + i * Spad + j);
+                    const __m512 s0 = _mm512_mul_ps(_mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(dpb + i * Spad + j), d0)), vscale);
+                    store_bf16(dsb + i * Spad + j, s0);
+                    __m512 p1 = zero, s1 = zero;
+                    if (has1) {
+                        p1 = _mm512_loadu_ps(sb + (i + 1) * Spad + j);
+                        s1 = _mm512_mul_ps(_mm512_mul_ps(p1, _mm512_sub_ps(_mm512_loadu_ps(dpb + (i + 1) * Spad + j), d1)), vscale);
+                        store_bf16(dsb + (i + 1) * Spad + j, s1);
+                    }
+                    store_pair(pp + (i / 2) * Spad * 2 + 2 * j, p0, p1);
+                    store_pair(dsp + (i / 2) * Spad * 2 + 2 * j, s0, s1);
                 }
-                store_pair(pp + 2 * j, p0, p1);
-                store_pair(dsp + 2 * j, s0, s1);
             }
-        }
-        // Q^T and dO^T (D x Lpad, zero padded) as A operands of dK^T and dV^T
-        for (int64_t d = 0; d < D; ++d) {
-            for (int64_t i = 0; i < z.Lpad; ++i) {
-                w.qt[d * z.Lpad + i] = i < L ? Q[i * D + d] : bf16(0);
-                w.dot[d * z.Lpad + i] = i < L ? dO[i * D + d] : bf16(0);
+            // Q^T and dO^T of the block (D x rb2, zero padded): A operands of dK^T and dV^T
+            for (int64_t d = 0; d < D; ++d) {
+                for (int64_t i = 0; i < rb2; ++i) {
+                    qt[d * rb2 + i] = i < rb ? Qb[i * D + d] : bf16(0);
+                    dot[d * rb2 + i] = i < rb ? dOb[i * D + d] : bf16(0);
+                }
             }
+            gemm(D, Spad, rb2 / 2, dot, rb2, pp, dvt, Spad, r0 > 0);  // dV^T += dO^T P
+            gemm(D, Spad, rb2 / 2, qt, rb2, dsp, dkt, Spad, r0 > 0);  // dK^T += Q^T dS
+            gemm(rb, Dpad, Spad / 2, dsb, Spad, kn, out, Dpad);       // dQ = dS K
+            rows_out(out, Dpad, rb, D, nullptr, dq + sl * L * D + r0 * D);
         }
-        // dV^T = dO^T P  (D x Spad), dK^T = Q^T dS  (D x Spad)
-        gemm(z.D, z.Spad, z.Lpad / 2, w.dot.data(), z.Lpad, w.p_pairs.data(), w.out.data(), z.Spad);
-        bf16* dV = dv + sl * S * D;
-        for (int64_t j = 0; j < S; ++j)
-            for (int64_t d = 0; d < D; ++d) dV[j * D + d] = float_to_bf16(w.out[d * z.Spad + j]);
-        gemm(z.D, z.Spad, z.Lpad / 2, w.qt.data(), z.Lpad, w.ds_pairs.data(), w.out.data(), z.Spad);
-        bf16* dK = dk + sl * S * D;
-        for (int64_t j = 0; j < S; ++j)
-            for (int64_t d = 0; d < D; ++d) dK[j * D + d] = float_to_bf16(w.out[d * z.Spad + j]);
-        // dQ = dS K  (L x Dpad); dS padding columns are zero, so K's rows beyond S are packed as zeros
-        pack_b(K, z.D, 1, z.S, z.D, z.Spad / 2, z.Dpad, w.pack.data());
-        gemm(z.L, z.Dpad, z.Spad / 2, w.ds.data(), z.Spad, w.pack.data(), w.out.data(), z.Dpad);
-        bf16* dQ = dq + sl * L * D;
-        for (int64_t i = 0; i < L; ++i)
-            for (int64_t d = 0; d < D; ++d) dQ[i * D + d] = float_to_bf16(w.out[i * z.Dpad + d]);
+        cols_out(dvt, Spad, S, D, dv + sl * S * D);
+        cols_out(dkt, Spad, S, D, dk + sl * S * D);
     }
 }
 
