@@ -170,6 +170,22 @@ def test_inference_cache_quick(tmp_path):
     assert all(r["max_abs_diff"] < 1e-4 and r["cached_s"] > 0 for r in data["rows"])
 
 
+def test_cpu_attention_quick(tmp_path):
+    """benchmarks/cpu_attention.py: every path on every shape, the bf16 paths close to fp32 SDPA."""
+    from tabfm.model.cpu_kernels import build
+
+    if not build.available():
+        pytest.skip(f"fused CPU kernels unavailable: {build.reason()}")
+    data, stdout = _run_benchmark("cpu_attention", ["--reps", "1"], tmp_path, timeout_s=300)
+    assert "fused bf16" in stdout and "x fp32" in stdout
+    paths = {(r["shape"], r["path"]) for r in data["rows"]}
+    assert len(paths) == len(data["rows"]) == 8
+    for r in data["rows"]:
+        assert r["fwd_bwd_ms"] > 0 and r["fwd_bwd_gflops"] > 0
+        if r["path"] != "sdpa fp32":
+            assert r["out_rel_err"] < 0.01 and r["dq_rel_err"] < 0.01
+
+
 def test_heldout_loss_compares_exports_on_the_same_batches(tmp_path, monkeypatch):
     """benchmarks/heldout_loss.py: one row per model and stream, equal to synthetic_eval by hand."""
     from synth.stream import StreamConfig

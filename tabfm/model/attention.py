@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_attention
+from .cpu_kernels import attention as cpu_attention
+from .cpu_kernels import build as cpu_kernels
 
 
 CPU_BF16_EXPLICIT_MAX_KEYS = 128
@@ -24,18 +25,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Attention (N, H, L, hd) x (N, H, S, hd) -> (N, H, L, hd); mask broadcastable to (N, H, L, S).
 
     `F.scaled_dot_product_attention` everywhere, except on CPU in reduced precision: there
-    torch has no fast bf16 attention (its flash kernel computes in fp32; measured on torch
-    2.13), so short key sets use the explicit formula (softmax in fp32), and long ones the
-    fused bf16 kernel of `cpu_attention` (AVX512-BF16), or SDPA in fp32 where that kernel
-    cannot run (with a warning).
+    torch has no fast bf16 attention (its flash kernel computes in fp32 and its backward is
+    slow; measured on torch 2.13), so bf16 runs the fused kernel of `cpu_kernels.attention`
+    (AVX512-BF16; 1.2-2.5x the alternatives below at every key count measured, see
+    BENCHMARKS.md). Where that kernel cannot run (with a warning, once): short key sets use
+    the explicit formula (softmax in fp32), long ones SDPA in fp32.
     """
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    if cpu_attention.supports(q, k, mask, dropout_p):
+        if cpu_kernels.available():
+            return cpu_attention.fused_attention(q, k, v, mask)
+        cpu_kernels.warn_once("bf16 CPU attention and RMSNorm use torch's ops (same maths, slower)")
     if k.shape[-2] > CPU_BF16_EXPLICIT_MAX_KEYS:
-        if cpu_attention.supports(q, k, mask, dropout_p):
-            if cpu_attention.available():
-                return cpu_attention.fused_attention(q, k, v, mask)
-            cpu_attention.warn_unavailable_once()
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
         return out.to(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5

@@ -7,6 +7,22 @@ import torch.nn.functional as F
 
 from .attention import ColumnAttention, KVCache, RowAttention
 from .config import ModelConfig
+from .cpu_kernels import build as cpu_kernels
+from .cpu_kernels import rms_norm as cpu_rms_norm
+
+
+class BlockNorm(nn.RMSNorm):
+    """The pre-norm of a block's sublayer. Under bf16 autocast on CPU it returns bf16 straight
+    from one fused pass (`cpu_kernels.rms_norm`), which is what the sublayer's first Linear
+    would cast it to; elsewhere it is `nn.RMSNorm` (same parameters, same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_rms_norm.supports(x, self.weight):
+            if cpu_kernels.available():
+                eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+                return cpu_rms_norm.rms_norm_bf16(x, self.weight, eps)
+            cpu_kernels.warn_once("bf16 CPU attention and RMSNorm use torch's ops (same maths, slower)")
+        return super().forward(x)
 
 
 class MLP(nn.Module):
@@ -27,11 +43,11 @@ class TableBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d = config.d_model
-        self.norm_col = nn.RMSNorm(d, eps=config.norm_eps)
+        self.norm_col = BlockNorm(d, eps=config.norm_eps)
         self.col_attn = ColumnAttention(d, config.n_heads, config.dropout)
-        self.norm_row = nn.RMSNorm(d, eps=config.norm_eps)
+        self.norm_row = BlockNorm(d, eps=config.norm_eps)
         self.row_attn = RowAttention(d, config.n_heads, config.dropout)
-        self.norm_mlp = nn.RMSNorm(d, eps=config.norm_eps)
+        self.norm_mlp = BlockNorm(d, eps=config.norm_eps)
         self.mlp = MLP(d, config.mlp_hidden)
         self.drop = nn.Dropout(config.dropout)
 

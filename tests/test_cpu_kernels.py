@@ -1,14 +1,18 @@
-"""The fused bf16 CPU attention kernel against fp32 SDPA (the reference), and its routing."""
+"""The fused bf16 CPU kernels against torch's fp32 ops (the reference): attention against
+SDPA, RMSNorm against nn.RMSNorm; their routing, fallbacks and build errors."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tabfm.model import ModelConfig, TabFM, attention, cpu_attention
+from tabfm.model import ModelConfig, TabFM, attention
+from tabfm.model.block import BlockNorm
+from tabfm.model.cpu_kernels import attention as cpu_attention
+from tabfm.model.cpu_kernels import build
+from tabfm.model.cpu_kernels import rms_norm as cpu_rms_norm
 
-needs_kernel = pytest.mark.skipif(not cpu_attention.available(),
-                                  reason=f"fused CPU attention unavailable: {cpu_attention.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels unavailable: {build.reason()}")
 
 
 def _inputs(n, h, l, s, d, masked, seed=0):
@@ -98,42 +102,101 @@ def test_threads_split_the_slices_without_changing_results():
 
 
 @needs_kernel
-def test_attend_routes_long_bf16_key_sets_to_the_kernel():
-    long_s = attention.CPU_BF16_EXPLICIT_MAX_KEYS + 5
-    q, k, v, mask, _ = _inputs(2, 2, 10, long_s, 32, masked=True)
+@pytest.mark.parametrize("keys", [16, attention.CPU_BF16_EXPLICIT_MAX_KEYS + 5])
+def test_attend_routes_bf16_to_the_kernel(keys):
+    q, k, v, mask, _ = _inputs(2, 2, 10, keys, 32, masked=True)
     assert torch.equal(attention.attend(q, k, v, mask, 0.0), cpu_attention.fused_attention(q, k, v, mask))
-    # fp32 and short key sets keep their paths
+    # fp32 keeps SDPA; dropout and a per-query mask are not the kernel's
     q32 = q.float()
     assert torch.equal(attention.attend(q32, k.float(), v.float(), mask, 0.0),
                        F.scaled_dot_product_attention(q32, k.float(), v.float(), attn_mask=mask))
+    assert not cpu_attention.supports(q, k, mask, 0.1)
+    assert not cpu_attention.supports(q, k, mask.expand(2, 1, 10, keys), 0.0)
 
 
 def test_switched_off_kernel_warns_and_falls_back_to_sdpa(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "_state", {})
-    monkeypatch.setenv(cpu_attention.ENV_SWITCH, "0")
-    assert not cpu_attention.available() and "TABFM_CPU_ATTENTION=0" in cpu_attention.unavailable_reason()
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    assert not build.available() and "TABFM_CPU_KERNELS=0" in build.reason()
     q, k, v, mask, _ = _inputs(2, 2, 10, attention.CPU_BF16_EXPLICIT_MAX_KEYS + 1, 32, masked=True)
-    with pytest.warns(RuntimeWarning, match="fused CPU bf16 attention unavailable"):
+    with pytest.warns(RuntimeWarning, match="fused CPU bf16 kernels unavailable"):
         out = attention.attend(q, k, v, mask, 0.0)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask).bfloat16()
     assert torch.equal(out, ref)
+    short = attention.attend(q, k[:, :, :16], v[:, :, :16], mask[..., :16], 0.0)  # explicit formula
+    ref = F.scaled_dot_product_attention(q.float(), k[:, :, :16].float(), v[:, :, :16].float(), attn_mask=mask[..., :16])
+    assert (short.float() - ref).abs().max() < 0.05
 
 
 def test_a_failed_build_names_the_compiler_error(monkeypatch, tmp_path):
-    if not cpu_attention._cpu_has_bf16():
+    if not build._cpu_has_bf16():
         pytest.skip("this CPU has no AVX512-BF16: the build is never tried")
-    monkeypatch.setattr(cpu_attention, "_state", {})
+    monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("TABFM_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    assert not cpu_attention.available()
-    assert "failed to build cpu_attention.cpp" in cpu_attention.unavailable_reason()
+    assert not build.available()
+    assert "failed to build the CPU kernels" in build.reason()
     assert not list(tmp_path.iterdir())  # nothing half-written left in the cache
 
 
 @needs_kernel
-def test_bf16_train_step_matches_the_sdpa_path(monkeypatch):
-    """A whole model's bf16 loss and gradients: the kernel for the row attention (> 128 key
-    rows, two tables with different key counts) vs the fp32 SDPA path."""
+@pytest.mark.parametrize("d", [40, 96, 130])
+def test_rms_norm_matches_torch(d):
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(7, 33, d, generator=g) * 3 + 0.5).requires_grad_()
+    w = (1 + 0.3 * torch.randn(d, generator=g)).requires_grad_()
+    dy = torch.randn(7, 33, d, generator=g).bfloat16()
+    ref = F.rms_norm(x, (d,), w, 1e-5)
+    ref.backward(dy.float())
+    dx_ref, dw_ref = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cpu_rms_norm.supports(x, w)
+        y = cpu_rms_norm.rms_norm_bf16(x, w, 1e-5)
+    y.backward(dy)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert (y.float() - ref).abs().max() <= 0.004 * ref.abs().max()  # bf16 rounding of the output only
+    assert _rel(x.grad, dx_ref) < 1e-5 and _rel(w.grad, dw_ref) < 1e-5
+
+
+@needs_kernel
+def test_rms_norm_threads_sum_the_weight_gradient():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(301, 96, generator=g).requires_grad_()
+    w = torch.randn(96, generator=g).requires_grad_()
+    dy = torch.randn(301, 96, generator=g).bfloat16()
+    grads = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            x.grad = w.grad = None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                cpu_rms_norm.rms_norm_bf16(x, w, 1e-5).backward(dy)
+            grads.append((x.grad.clone(), w.grad.clone()))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.allclose(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_block_norm_is_rms_norm_outside_cpu_bf16_autocast():
+    torch.manual_seed(0)
+    norm, ref = BlockNorm(24, eps=1e-5), torch.nn.RMSNorm(24, eps=1e-5)
+    ref.load_state_dict(norm.state_dict())  # same parameters, same names
+    x = torch.randn(5, 24)
+    assert torch.equal(norm(x), ref(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+    assert out.dtype == (torch.bfloat16 if build.available() else torch.float32)
+    assert (out.float() - ref(x)).abs().max() < 0.02
+
+
+@needs_kernel
+def test_bf16_train_step_matches_torch_ops(monkeypatch):
+    """A whole model's bf16 loss and gradients: the kernels (both attentions, the row attention
+    over > 128 key rows of two tables with different key counts; the blocks' norms) vs
+    torch's ops (fp32 SDPA for the rows, the explicit formula for the columns, nn.RMSNorm)."""
     from tests.test_model import make_batch
 
     batch = make_batch(b=2, r=200, c=5, n_ctx=150, seed=3)
@@ -144,10 +207,11 @@ def test_bf16_train_step_matches_the_sdpa_path(monkeypatch):
     real = cpu_attention.fused_attention
     monkeypatch.setattr(cpu_attention, "fused_attention", lambda *a: calls.append(1) or real(*a))
     loss_fused, grads_fused = _toy_step(model, batch)
-    assert len(calls) == model.config.n_layers  # every block's row attention ran the kernel
+    assert len(calls) == 2 * model.config.n_layers  # both attentions of every block ran the kernel
     monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    monkeypatch.setattr(cpu_rms_norm, "supports", lambda *a: False)
     loss_ref, grads_ref = _toy_step(model, batch)
-    assert len(calls) == model.config.n_layers
+    assert len(calls) == 2 * model.config.n_layers
     assert abs(loss_fused - loss_ref) < 0.01 * abs(loss_ref)
     rel = [float((a - b).norm() / b.norm()) for a, b in zip(grads_fused, grads_ref) if b.norm() > 0]
     assert max(rel) < 0.03 and sum(rel) / len(rel) < 0.01  # measured 0.009 / 0.004

@@ -15,14 +15,12 @@
 // Every product is C = A * B with A row-major bf16 (pairs along the reduction adjacent)
 // and B packed as [k/2][n][2] (the operand layout of vdpbf16ps), fp32 accumulation.
 
-#include <immintrin.h>
+#include "common.h"
+
+#include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <vector>
-#include <algorithm>
-
-typedef uint16_t bf16;
 
 namespace {
 
@@ -102,8 +100,6 @@ inline void store_pair(bf16* dst, __m512 a, __m512 b) {
     _mm512_storeu_si512((void*)dst, _mm512_or_si512(ai, _mm512_slli_epi32(bi, 16)));
 }
 
-inline void store_bf16(bf16* dst, __m512 a) { _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(a)); }
-
 // dst[i*D + d] = bf16(src[i*lds + d] * row_scale[i]) for i < M, d < D (row_scale null = 1).
 void rows_out(const float* src, int64_t lds, int64_t M, int64_t D, const float* row_scale, bf16* dst) {
     for (int64_t i = 0; i < M; ++i) {
@@ -182,8 +178,6 @@ int64_t key_masks(int64_t S, int64_t Spad, const uint8_t* mask_row, float* bias,
 }  // namespace
 
 extern "C" {
-
-int tabfm_attn_bf16_supported() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
 
 void tabfm_attn_bf16_fwd(const bf16* q, const bf16* k, const bf16* v, const uint8_t* mask, bf16* o, float* lse,
                          int64_t begin, int64_t end, int64_t H, int64_t L, int64_t S, int64_t D, float scale) {
