@@ -10,6 +10,7 @@ from tabfm.model import ModelConfig, TabFM, attention
 from tabfm.model.block import BlockNorm
 from tabfm.model.cpu_kernels import attention as cpu_attention
 from tabfm.model.cpu_kernels import build
+from tabfm.model.cpu_kernels import gelu as cpu_gelu
 from tabfm.model.cpu_kernels import rms_norm as cpu_rms_norm
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason=f"CPU kernels unavailable: {build.reason()}")
@@ -180,6 +181,24 @@ def test_rms_norm_threads_sum_the_weight_gradient():
     assert torch.allclose(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+def test_gelu_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(5000, generator=g) * 3, torch.tensor([0.0, -20.0, 20.0, 1e-3])]).bfloat16()
+    x = x[-4998:].reshape(3, 1666, 1)  # not a multiple of 16; the extremes included
+    dy = torch.randn(x.shape, generator=g).bfloat16()
+    xr = x.float().requires_grad_()
+    ref = F.gelu(xr, approximate="tanh")
+    ref.backward(dy.float())
+    xb = x.clone().requires_grad_()
+    out = cpu_gelu.gelu_tanh_bf16(xb)
+    out.backward(dy)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert (out.float() - ref).abs().max() <= 0.008 * ref.abs().max()  # bf16 output rounding
+    assert _rel(xb.grad, xr.grad) < 0.005
+    assert torch.equal(cpu_gelu.gelu_tanh_bf16(torch.tensor([0.0, -30.0]).bfloat16()), torch.tensor([0.0, -0.0]).bfloat16())
+
+
 def test_block_norm_is_rms_norm_outside_cpu_bf16_autocast():
     torch.manual_seed(0)
     norm, ref = BlockNorm(24, eps=1e-5), torch.nn.RMSNorm(24, eps=1e-5)
@@ -195,8 +214,9 @@ def test_block_norm_is_rms_norm_outside_cpu_bf16_autocast():
 @needs_kernel
 def test_bf16_train_step_matches_torch_ops(monkeypatch):
     """A whole model's bf16 loss and gradients: the kernels (both attentions, the row attention
-    over > 128 key rows of two tables with different key counts; the blocks' norms) vs
-    torch's ops (fp32 SDPA for the rows, the explicit formula for the columns, nn.RMSNorm)."""
+    over > 128 key rows of two tables with different key counts; the blocks' norms; GELU) vs
+    torch's ops (fp32 SDPA for the rows, the explicit formula for the columns, nn.RMSNorm,
+    F.gelu)."""
     from tests.test_model import make_batch
 
     batch = make_batch(b=2, r=200, c=5, n_ctx=150, seed=3)
@@ -210,6 +230,7 @@ def test_bf16_train_step_matches_torch_ops(monkeypatch):
     assert len(calls) == 2 * model.config.n_layers  # both attentions of every block ran the kernel
     monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
     monkeypatch.setattr(cpu_rms_norm, "supports", lambda *a: False)
+    monkeypatch.setattr(cpu_gelu, "supports", lambda *a: False)
     loss_ref, grads_ref = _toy_step(model, batch)
     assert len(calls) == 2 * model.config.n_layers
     assert abs(loss_fused - loss_ref) < 0.01 * abs(loss_ref)

@@ -33,10 +33,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    if cpu_attention.supports(q, k, mask, dropout_p):
-        if cpu_kernels.available():
-            return cpu_attention.fused_attention(q, k, v, mask)
-        cpu_kernels.warn_once("bf16 CPU attention and RMSNorm use torch's ops (same maths, slower)")
+    if cpu_kernels.usable(cpu_attention.supports(q, k, mask, dropout_p)):
+        return cpu_attention.fused_attention(q, k, v, mask)
     if k.shape[-2] > CPU_BF16_EXPLICIT_MAX_KEYS:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
         return out.to(q.dtype)

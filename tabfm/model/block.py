@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from .attention import ColumnAttention, KVCache, RowAttention
 from .config import ModelConfig
 from .cpu_kernels import build as cpu_kernels
+from .cpu_kernels import gelu as cpu_gelu
 from .cpu_kernels import rms_norm as cpu_rms_norm
 
 
@@ -17,16 +18,15 @@ class BlockNorm(nn.RMSNorm):
     would cast it to; elsewhere it is `nn.RMSNorm` (same parameters, same state dict)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_rms_norm.supports(x, self.weight):
-            if cpu_kernels.available():
-                eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-                return cpu_rms_norm.rms_norm_bf16(x, self.weight, eps)
-            cpu_kernels.warn_once("bf16 CPU attention and RMSNorm use torch's ops (same maths, slower)")
+        if cpu_kernels.usable(cpu_rms_norm.supports(x, self.weight)):
+            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+            return cpu_rms_norm.rms_norm_bf16(x, self.weight, eps)
         return super().forward(x)
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: fc1 -> GELU -> fc2 (fc1 column-, fc2 row-wise under TP)."""
+    """Position-wise feed-forward: fc1 -> GELU (tanh) -> fc2 (fc1 column-, fc2 row-wise under TP).
+    bf16 on CPU takes the fused GELU of `cpu_kernels.gelu`."""
 
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
@@ -34,7 +34,9 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        h = self.fc1(x)
+        h = cpu_gelu.gelu_tanh_bf16(h) if cpu_kernels.usable(cpu_gelu.supports(h)) else F.gelu(h, approximate="tanh")
+        return self.fc2(h)
 
 
 class TableBlock(nn.Module):

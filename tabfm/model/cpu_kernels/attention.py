@@ -16,6 +16,8 @@ from . import build
 def supports(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, dropout_p: float) -> bool:
     """Shapes and settings the kernel handles: bf16 CPU tensors (N, H, L, hd) with an even
     head dim, no dropout, a key mask broadcast over heads and queries (N or 1, 1, 1, S) or none."""
+    if any(type(t) is not torch.Tensor for t in (q, k)):  # e.g. DTensor
+        return False
     if q.device.type != "cpu" or q.dtype != torch.bfloat16 or dropout_p > 0 or q.dim() != 4 or q.shape[-1] % 2:
         return False
     if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1

@@ -5,7 +5,7 @@ Compiled with the system C++ compiler on first use into the user cache
 flags; a build takes a few seconds, needs no torch headers) and loaded with ctypes, which
 releases the GIL during a call. `library()` is None where the kernels cannot run: not an
 x86 CPU with AVX512-BF16, no compiler, a failed build, or ``TABFM_CPU_KERNELS=0``;
-`reason()` says which. Callers then take torch's own ops and say so once (`warn_once`).
+`reason()` says which. Callers then take torch's own ops and say so once (`usable`).
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def _signatures(lib: ctypes.CDLL) -> None:
     lib.tabfm_attn_bf16_bwd.argtypes = [ptr] * 9 + [i64] * 6 + [f32]
     lib.tabfm_rms_norm_bf16_fwd.argtypes = [ptr] * 4 + [i64] * 3 + [f32]
     lib.tabfm_rms_norm_bf16_bwd.argtypes = [ptr] * 6 + [i64] * 3
+    lib.tabfm_gelu_bf16_fwd.argtypes = [ptr] * 2 + [i64] * 2
+    lib.tabfm_gelu_bf16_bwd.argtypes = [ptr] * 3 + [i64] * 2
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
@@ -102,10 +104,18 @@ def reason() -> str:
     return str(_state.get("reason", ""))
 
 
-def warn_once(what: str) -> None:
+def usable(supported: bool) -> bool:
+    """Whether to run a kernel for a call its op `supports`: True if the kernels are available;
+    False otherwise, and then the caller takes torch's op, said once in a warning."""
+    if not supported:
+        return False
+    if available():
+        return True
     if not _state.get("warned"):
         _state["warned"] = True
-        warnings.warn(f"fused CPU bf16 kernels unavailable ({reason()}); {what}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"fused CPU bf16 kernels unavailable ({reason()}); bf16 attention, RMSNorm and GELU on CPU "
+                      "use torch's ops (same maths, slower)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def chunks(n: int) -> int:

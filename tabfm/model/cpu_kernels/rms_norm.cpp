@@ -15,17 +15,6 @@
 
 #include <cmath>
 
-namespace {
-
-inline __mmask16 tail(int64_t d, int64_t j) { return d - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (d - j)) - 1); }
-
-inline __m512 load_bf16_masked(const bf16* src, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, src);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-}  // namespace
-
 extern "C" {
 
 void tabfm_rms_norm_bf16_fwd(const float* x, const float* w, bf16* y, float* rstd, int64_t begin, int64_t end,
@@ -57,7 +46,7 @@ void tabfm_rms_norm_bf16_bwd(const float* x, const float* w, const float* rstd, 
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < d; j += 16) {
             const __mmask16 m = tail(d, j);
-            const __m512 g = _mm512_mul_ps(load_bf16_masked(dyr + j, m), _mm512_maskz_loadu_ps(m, w + j));
+            const __m512 g = _mm512_mul_ps(load_bf16(dyr + j, m), _mm512_maskz_loadu_ps(m, w + j));
             acc = _mm512_fmadd_ps(g, _mm512_maskz_loadu_ps(m, xr + j), acc);
         }
         const __m512 c = _mm512_set1_ps(rs * rs * rs * _mm512_reduce_add_ps(acc) / float(d));
@@ -65,7 +54,7 @@ void tabfm_rms_norm_bf16_bwd(const float* x, const float* w, const float* rstd, 
         for (int64_t j = 0; j < d; j += 16) {
             const __mmask16 m = tail(d, j);
             const __m512 xv = _mm512_maskz_loadu_ps(m, xr + j);
-            const __m512 dyv = load_bf16_masked(dyr + j, m);
+            const __m512 dyv = load_bf16(dyr + j, m);
             const __m512 g = _mm512_mul_ps(dyv, _mm512_maskz_loadu_ps(m, w + j));
             _mm512_mask_storeu_ps(dx + r * d + j, m, _mm512_fnmadd_ps(xv, c, _mm512_mul_ps(g, vr)));
             _mm512_mask_storeu_ps(dw + j, m, _mm512_fmadd_ps(_mm512_mul_ps(dyv, xv), vr, _mm512_maskz_loadu_ps(m, dw + j)));

@@ -13,7 +13,7 @@ from . import build
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """fp32 CPU input under CPU bf16 autocast, with a plain fp32 weight (not a DTensor shard)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight is not None
+    return (type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype == torch.float32 and weight is not None
             and type(weight.data) is torch.Tensor and weight.dtype == torch.float32
             and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
 
