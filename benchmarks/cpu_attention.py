@@ -1,16 +1,16 @@
 """bf16 attention on CPU: the fused AVX512-BF16 kernel (tabfm/model/cpu_kernels/attention.cpp) against
-torch's SDPA in fp32 (what bf16 attention ran before) and in bf16, side by side in one run.
+torch's SDPA in fp32 (what bf16 attention over > 128 keys ran before) and in bf16, and the
+explicit formula (bf16 matmuls, fp32 softmax: what it ran over <= 128 keys), side by side.
 
     python benchmarks/cpu_attention.py [--threads 1] [--reps 5] [--quick]
                                        [--json benchmarks/results/cpu_attention.json]
 
 Shapes are the attentions of a train step of `benchmarks/model_speed.py` (8 tables x 256
 rows x 16 columns, 192 context rows): the row attention of each preset (queries = rows +
-thinking rows, keys = context + thinking rows) and base's column attention (16 keys, where
-`attend` keeps the explicit formula). Per path: forward ms and forward + backward ms (best
-of --reps after a warm-up, process CPU time), GFLOP/s (4 L S d per sequence forward, x2
-backward), the speed-up over fp32 SDPA, and the relative error of the output and of dQ
-against fp32 SDPA on the same bf16-exact inputs.
+thinking rows, keys = context + thinking rows) and base's column attention (16 keys). Per
+path: forward ms and forward + backward ms (best of --reps after a warm-up, process CPU
+time), GFLOP/s (4 L S d per sequence forward, x2 backward), the speed-up over fp32 SDPA, and
+the relative error of the output and of dQ against fp32 SDPA on the same bf16-exact inputs.
 """
 from __future__ import annotations
 
@@ -46,6 +46,12 @@ def _sdpa_fp32(q, k, v):
 
 def _sdpa_bf16(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
+
+
+def _explicit_bf16(q, k, v):
+    """The formula bf16 attention used for <= 128 keys before the kernel (bf16 matmuls, fp32 softmax)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 def _fused(q, k, v):
@@ -94,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     if not build.available():
         raise SystemExit(f"fused CPU kernels unavailable here: {build.reason()}")
-    paths = {"sdpa fp32": _sdpa_fp32, "sdpa bf16": _sdpa_bf16, "fused bf16": _fused, "attend (model)": _attend}
+    paths = {"sdpa fp32": _sdpa_fp32, "sdpa bf16": _sdpa_bf16, "explicit bf16": _explicit_bf16,
+             "fused bf16": _fused, "attend (model)": _attend}
     shapes = QUICK if args.quick else SHAPES
     rows = []
     for name, shape in shapes.items():

@@ -179,7 +179,7 @@ def test_cpu_attention_quick(tmp_path):
     data, stdout = _run_benchmark("cpu_attention", ["--reps", "1"], tmp_path, timeout_s=300)
     assert "fused bf16" in stdout and "x fp32" in stdout
     paths = {(r["shape"], r["path"]) for r in data["rows"]}
-    assert len(paths) == len(data["rows"]) == 8
+    assert len(paths) == len(data["rows"]) == 10
     for r in data["rows"]:
         assert r["fwd_bwd_ms"] > 0 and r["fwd_bwd_gflops"] > 0
         if r["path"] != "sdpa fp32":
