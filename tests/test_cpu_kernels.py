@@ -211,6 +211,17 @@ def test_block_norm_is_rms_norm_outside_cpu_bf16_autocast():
     assert (out.float() - ref(x)).abs().max() < 0.02
 
 
+def test_an_unwritable_cache_is_reported_not_raised(monkeypatch, tmp_path):
+    if not build._cpu_has_bf16():
+        pytest.skip("this CPU has no AVX512-BF16: the build is never tried")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setenv("TABFM_KERNEL_CACHE", str(blocker / "kernels"))  # a directory under a file
+    assert not build.available()
+    assert "could not build or load" in build.reason()
+
+
 @needs_kernel
 def test_bf16_train_step_matches_torch_ops(monkeypatch):
     """A whole model's bf16 loss and gradients: the kernels (both attentions, the row attention

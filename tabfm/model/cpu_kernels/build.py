@@ -69,16 +69,19 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     for path in [*sources, *sorted(HERE.glob("*.h"))]:
         digest.update(path.name.encode() + path.read_bytes())
     lib_path = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
-        os.close(fd)
-        res = subprocess.run([cxx, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True)
-        if res.returncode != 0:
-            os.unlink(tmp)
-            return None, f"{cxx} failed to build the CPU kernels ({HERE.name}/*.cpp): {res.stderr.strip()[-500:]}"
-        os.replace(tmp, lib_path)  # atomic: concurrent processes never load a half-written file
-    lib = ctypes.CDLL(str(lib_path))
+    try:
+        if not lib_path.exists():
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
+            os.close(fd)
+            res = subprocess.run([cxx, *FLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True)
+            if res.returncode != 0:
+                os.unlink(tmp)
+                return None, f"{cxx} failed to build the CPU kernels ({HERE.name}/*.cpp): {res.stderr.strip()[-500:]}"
+            os.replace(tmp, lib_path)  # atomic: concurrent processes never load a half-written file
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError as err:  # an unwritable cache, a library the loader refuses
+        return None, f"could not build or load {lib_path}: {err}"
     if not lib.tabfm_cpu_kernels_supported():
         return None, "this CPU has no AVX512-BF16 (cpuid)"
     _signatures(lib)
