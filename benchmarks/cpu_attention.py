@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tabfm.model.attention import attend
+from tabfm.model.attention import attend, explicit_attention
 from tabfm.model.cpu_kernels import attention as cpu_attention
 from tabfm.model.cpu_kernels import build
 
@@ -49,9 +49,7 @@ def _sdpa_bf16(q, k, v):
 
 
 def _explicit_bf16(q, k, v):
-    """The formula bf16 attention used for <= 128 keys before the kernel (bf16 matmuls, fp32 softmax)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    return explicit_attention(q, k, v, None)
 
 
 def _fused(q, k, v):

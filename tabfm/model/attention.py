@@ -27,9 +27,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     `F.scaled_dot_product_attention` everywhere, except on CPU in reduced precision: there
     torch has no fast bf16 attention (its flash kernel computes in fp32 and its backward is
     slow; measured on torch 2.13), so bf16 runs the fused kernel of `cpu_kernels.attention`
-    (AVX512-BF16; 1.2-2.5x the alternatives below at every key count measured, see
-    BENCHMARKS.md). Where that kernel cannot run (with a warning, once): short key sets use
-    the explicit formula (softmax in fp32), long ones SDPA in fp32.
+    (AVX512-BF16; 1.8-2.0x fp32 SDPA on long key sets, as fast as `explicit_attention` on
+    16 keys inside a train step with half its error; BENCHMARKS.md). Where that kernel cannot
+    run (with a warning, once): short key sets use `explicit_attention`, long ones SDPA in fp32.
     """
     if q.device.type != "cpu" or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
@@ -38,6 +38,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if k.shape[-2] > CPU_BF16_EXPLICIT_MAX_KEYS:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p)
         return out.to(q.dtype)
+    return explicit_attention(q, k, v, mask, dropout_p)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       dropout_p: float = 0.0) -> torch.Tensor:
+    """The formula in reduced-precision matmuls with an fp32 softmax (its backward is plain
+    matmuls, much faster than CPU SDPA's in bf16 for short key sets)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

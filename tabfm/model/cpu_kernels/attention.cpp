@@ -175,9 +175,14 @@ void tabfm_attn_bf16_fwd(const bf16* q, const bf16* k, const bf16* v, const uint
     float* keep = Scratch::fit(w.keep, Spad);
     float* inv_l = Scratch::fit(w.drow, BR);
     const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t masked_seq = -1, visible = 0;  // the heads of one sequence share its key mask
     for (int64_t sl = begin; sl < end; ++sl) {
         const bf16 *Q = q + sl * L * D, *K = k + sl * S * D, *V = v + sl * S * D;
-        const int64_t visible = key_masks(S, Spad, mask ? mask + (sl / H) * S : nullptr, bias, keep);
+        const int64_t seq = mask ? sl / H : 0;
+        if (seq != masked_seq) {
+            visible = key_masks(S, Spad, mask ? mask + seq * S : nullptr, bias, keep);
+            masked_seq = seq;
+        }
         pack_b(K, 1, D, D, S, D / 2, Spad, kt);     // B[d][j] = K[j][d]
         pack_b(V, D, 1, S, D, Spad / 2, Dpad, vn);  // B[j][d] = V[j][d]
         for (int64_t r0 = 0; r0 < L; r0 += BR) {
@@ -237,10 +242,15 @@ void tabfm_attn_bf16_bwd(const bf16* q, const bf16* k, const bf16* v, const uint
     float* drow = Scratch::fit(w.drow, BR);
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512 zero = _mm512_setzero_ps();
+    int64_t masked_seq = -1;  // the heads of one sequence share its key mask
     for (int64_t sl = begin; sl < end; ++sl) {
         const bf16 *Q = q + sl * L * D, *K = k + sl * S * D, *V = v + sl * S * D, *dO = dout + sl * L * D;
         const float* LSE = lse + sl * L;
-        key_masks(S, Spad, mask ? mask + (sl / H) * S : nullptr, bias, keep);
+        const int64_t seq = mask ? sl / H : 0;
+        if (seq != masked_seq) {
+            key_masks(S, Spad, mask ? mask + seq * S : nullptr, bias, keep);
+            masked_seq = seq;
+        }
         pack_b(K, 1, D, D, S, D / 2, Spad, kt);     // B[d][j] = K[j][d]
         pack_b(V, 1, D, D, S, D / 2, Spad, vt);     // B[d][j] = V[j][d]
         pack_b(K, D, 1, S, D, Spad / 2, Dpad, kn);  // B[j][d] = K[j][d]

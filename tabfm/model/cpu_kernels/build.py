@@ -27,7 +27,7 @@ FLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512
 ENV_SWITCH = "TABFM_CPU_KERNELS"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib", "reason", "pool", "warned"
+_state: dict[str, object] = {}  # "lib", "reason", "pool", "pool_size", "warned"
 
 
 def _sources() -> list[Path]:
@@ -134,9 +134,9 @@ def split(n: int, fn) -> None:
     if threads == 1:
         fn(0, 0, n)
         return
-    pool = _state.get("pool")
-    if pool is None or pool._max_workers < threads:  # type: ignore[attr-defined]
-        pool = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="tabfm-kernels")
+    if _state.get("pool_size", 0) < threads:  # type: ignore[operator]
+        _state["pool"], _state["pool_size"] = ThreadPoolExecutor(threads, thread_name_prefix="tabfm-kernels"), threads
+    pool: ThreadPoolExecutor = _state["pool"]  # type: ignore[assignment]
     for f in [pool.submit(fn, t, bounds[t], bounds[t + 1]) for t in range(threads)]:
         f.result()
 
