@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from data.batch import PAD, TableBatch
+from data.batch import NUMERIC, PAD, TableBatch
+from data.context_features import ContextFeatureSpec, context_features
 from synth.table import CLASSIFICATION, REGRESSION, SynthTable
 
 IMPUTATION = "imputation"
@@ -64,6 +65,30 @@ def imputation_episode(table: SynthTable, rng: np.random.Generator, mask_fractio
     if k:
         query[rng.choice(observed, size=k, replace=False)] = True
     return Episode(task=IMPUTATION, context=np.ones(n_rows, dtype=bool), query=query.reshape(n_rows, n_cols))
+
+
+def with_context_features(table: SynthTable, episode: Episode, spec: ContextFeatureSpec,
+                          rng: np.random.Generator) -> tuple[SynthTable, Episode]:
+    """A prediction episode with its context features (data.context_features) appended as numeric
+    columns after the table's own; an imputation episode (no target) comes back unchanged."""
+    if episode.task == IMPUTATION:
+        return table, episode
+    features = np.flatnonzero(np.arange(table.shape[1]) != table.target)
+    ctx, query = episode.context, ~episode.context
+    y = table.X[ctx, table.target]
+    n_classes = int(table.cardinality[table.target]) if table.task == CLASSIFICATION else None
+    x = table.X[:, features]
+    extra_c, extra_q = context_features(x[ctx], x[query], table.kind[features], table.cardinality[features],
+                                        y, n_classes, spec, rng)
+    extra = np.zeros((table.shape[0], extra_c.shape[1]), dtype=np.float32)
+    extra[ctx], extra[query] = extra_c, extra_q
+    width = extra.shape[1]
+    grown = SynthTable(X=np.hstack([table.X, extra]),
+                       kind=np.concatenate([table.kind, np.full(width, NUMERIC, dtype=table.kind.dtype)]),
+                       cardinality=np.concatenate([table.cardinality, np.zeros(width, dtype=table.cardinality.dtype)]),
+                       target=table.target, task=table.task)
+    query_cells = np.hstack([episode.query, np.zeros((table.shape[0], width), dtype=bool)])
+    return grown, Episode(task=episode.task, context=episode.context, query=query_cells)
 
 
 def pack(tables: Sequence[SynthTable], episodes: Sequence[Episode], rows: int, cols: int) -> TableBatch:

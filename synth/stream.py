@@ -22,12 +22,14 @@ import numpy as np
 from data.batch import TableBatch
 from data.seekable import SeekableStream
 from synth.config import PriorConfig
-from synth.episodes import IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode
+from data.context_features import ContextFeatureSpec
+from synth.episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode,
+                            with_context_features)
 from synth.prior import sample_table
 from synth.table import CLASSIFICATION, REGRESSION, SynthTable
 
-# spawn-key domains: keep the random streams of shapes, tables and raw frames apart
-_SHAPE, _TABLE, _RAW = 0, 1, 2
+# spawn-key domains: keep the random streams of shapes, tables, raw frames and context features apart
+_SHAPE, _TABLE, _RAW, _FEATURES = 0, 1, 2, 3
 _SHAPE_TRIES = 64
 
 
@@ -42,6 +44,10 @@ class StreamConfig:
 
     Columns count the target. Rows are rounded to multiples of `row_quantum`.
     The episode mix (classification / regression / imputation) is normalised.
+    `context_features` names a data.context_features spec ("none", "knn-linear", "knn"): prediction
+    episodes then carry those extra columns after their own, so a batch is wider than its bucket
+    by the widest table's extras (up to (max_classes - 1) x 3 columns with "knn-linear"), and holds
+    only as many of the bucket's tables as keep it within `cells_per_batch` padded cells.
     """
 
     prior: PriorConfig = field(default_factory=PriorConfig)
@@ -58,6 +64,7 @@ class StreamConfig:
     imputation: float = 0.3
     context_fraction: tuple[float, float] = (0.3, 0.9)
     mask_fraction: tuple[float, float] = (0.05, 0.3)
+    context_features: str = "none"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # the pretraining default: tables up to 1024 x 64, ~128k cells per batch
@@ -113,6 +120,9 @@ class StreamConfig:
             if not ok:
                 raise ValueError(f"StreamConfig.{name} {msg} (got {getattr(self, name.split('.')[0])!r})")
 
+        if self.context_features not in ContextFeatureSpec.NAMES:
+            raise ValueError(f"StreamConfig.context_features must be one of {', '.join(ContextFeatureSpec.NAMES)} "
+                             f"(got {self.context_features!r})")
         if not isinstance(self.prior, PriorConfig):
             raise ValueError(f"StreamConfig.prior must be a PriorConfig, got {type(self.prior).__name__}")
         for name in ("min_rows", "max_rows", "min_cols", "max_cols", "max_cells", "row_quantum", "cells_per_batch", "max_batch"):
@@ -226,6 +236,7 @@ class SynthStream(SeekableStream):
             REGRESSION: dataclasses.replace(prior, p_classification=0.0),
             IMPUTATION: prior,
         }
+        self._features = ContextFeatureSpec.named(self.cfg.context_features)
         mix = self.cfg.mix
         self._tasks = list(mix)
         self._cum = np.cumsum([mix[t] for t in self._tasks])
@@ -240,7 +251,8 @@ class SynthStream(SeekableStream):
         b = self.bucket(position)
         return self._table(position, index, b.rows, b.cols)
 
-    def _table(self, position: int, index: int, rows: int, cols: int) -> tuple[SynthTable, Episode]:
+    def _table(self, position: int, index: int, rows: int, cols: int, features: bool = True
+               ) -> tuple[SynthTable, Episode]:
         rng = table_rng(self.seed, position, self.rank, index)
         task = self._tasks[min(int(np.searchsorted(self._cum, rng.random(), side="right")), len(self._tasks) - 1)]
         table = sample_table(self._priors[task], rng, rows, cols)
@@ -248,13 +260,24 @@ class SynthStream(SeekableStream):
             episode = imputation_episode(table, rng, self.cfg.mask_fraction)
         else:
             episode = prediction_episode(table, rng, self.cfg.context_fraction)
+        if features and self._features is not None:
+            rng_f = table_rng(self.seed, position, self.rank, index, _FEATURES)
+            table, episode = with_context_features(table, episode, self._features, rng_f)
         return table, episode
 
     def episode_at(self, position: int) -> tuple[TableBatch, BatchInfo]:
         """The batch at `position` with its BatchInfo (tasks, classes)."""
         position = _check_index("position", position)
         b = self.bucket(position)
-        pairs = [self._table(position, j, b.rows, b.cols) for j in range(b.batch)]
+        pairs: list[tuple[SynthTable, Episode]] = []
+        width = 0
+        for j in range(b.batch):  # context features widen tables: stop where the padded batch outgrows the budget
+            pair = self._table(position, j, b.rows, b.cols)
+            wider = max(width, pair[0].shape[1])
+            if pairs and (len(pairs) + 1) * b.rows * wider > self.cfg.cells_per_batch:
+                break
+            pairs.append(pair)
+            width = wider
         tables = [t for t, _ in pairs]
         episodes = [e for _, e in pairs]
         info = BatchInfo(
@@ -263,7 +286,7 @@ class SynthStream(SeekableStream):
             tasks=tuple(e.task for e in episodes),
             n_classes=tuple(int(t.cardinality[t.target]) if e.task == CLASSIFICATION else 0 for t, e in pairs),
         )
-        return pack(tables, episodes, b.rows, b.cols), info
+        return pack(tables, episodes, b.rows, width), info
 
     def batch_at(self, position: int) -> TableBatch:
         """The TableBatch at `position`."""
@@ -277,7 +300,7 @@ class SynthStream(SeekableStream):
         b = self.bucket(position)
         frames, tasks, classes = [], [], []
         for j in range(b.batch):
-            table, episode = self._table(position, j, b.rows, b.cols)
+            table, episode = self._table(position, j, b.rows, b.cols, features=False)  # raw tables: own columns
             frames.append(to_frame(table, table_rng(self.seed, position, self.rank, j, _RAW), self.cfg.prior))
             tasks.append(episode.task)
             classes.append(int(table.cardinality[table.target]) if episode.task == CLASSIFICATION else 0)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from data.batch import CATEGORICAL, NUMERIC, TableBatch
+from data.context_features import ContextFeatureSpec, context_features
 from tabfm.model import ContextCache, ModelOutput
 
 # fn(output, values) -> (N, ...) tensor for the N query cells; values = their true values (NaN = unknown)
@@ -50,11 +51,35 @@ def with_target(x: np.ndarray, y: np.ndarray | None, kind: np.ndarray, cardinali
             np.append(np.asarray(cardinality, dtype=np.int64), n_classes or 0))
 
 
+def append_context_features(
+    context_x: np.ndarray, query_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, y_context: np.ndarray,
+    n_classes: int | None, name: str, rng: np.random.Generator,
+    design: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Features with a model's context features (ModelConfig.context_features `name`, built by
+    data.context_features as in its pretraining episodes) appended as numeric columns; "none" returns
+    them unchanged. design: the (kind, cardinality) the features' distances read when the model is
+    shown other kinds (e.g. categorical codes as numbers); default: kind, cardinality."""
+    spec = ContextFeatureSpec.named(name)
+    if spec is None:
+        return context_x, query_x, kind, cardinality
+    d_kind, d_card = design if design is not None else (kind, cardinality)
+    extra_c, extra_q = context_features(context_x, query_x, d_kind, d_card, y_context, n_classes, spec, rng)
+    width = extra_c.shape[1]
+    return (np.hstack([np.asarray(context_x, dtype=np.float32), extra_c]),
+            np.hstack([np.asarray(query_x, dtype=np.float32), extra_q]),
+            np.concatenate([np.asarray(kind, dtype=np.int8), np.full(width, NUMERIC, dtype=np.int8)]),
+            np.concatenate([np.asarray(cardinality, dtype=np.int64), np.zeros(width, dtype=np.int64)]))
+
+
 def target_batch(
     x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
-    n_classes: int | None,
+    n_classes: int | None, context_features: str = "none", seed: int = 0,
 ) -> TableBatch:
-    """One table: features (encoded) + the target as the last column, hidden on the test rows."""
+    """One table: features (encoded; plus the model's `context_features`, seeded by `seed`) + the
+    target as the last column, hidden on the test rows."""
+    x_train, x_test, kind, cardinality = append_context_features(
+        x_train, x_test, kind, cardinality, y_train, n_classes, context_features, np.random.default_rng(seed))
     ctx, kind_t, card_t = with_target(x_train, y_train, kind, cardinality, n_classes)
     qx, _, _ = with_target(x_test, None, kind, cardinality, n_classes)
     mask = np.zeros(qx.shape, dtype=bool)

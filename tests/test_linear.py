@@ -9,7 +9,7 @@ from sklearn.linear_model import LogisticRegression, Ridge
 from data.batch import CATEGORICAL, NUMERIC
 from tabfm.estimators import TabFMClassifier, TabFMRegressor
 from tabfm.estimators.linear import FOLDS, LOGISTIC_C, RIDGE_ALPHA, LinearScores
-from tabfm.estimators.neighbors import design
+from data.neighbors import design
 from tests.test_estimators import export_dir  # noqa: F401  (the random-weight export fixture)
 
 NAN = float("nan")
@@ -124,7 +124,7 @@ def test_features_read_every_column_the_model_the_members(export_dir):
     """max_columns=2 on a 3-column table: the model gets 2 feature columns, but the neighbour shares
     come from all 3 (members differ in their columns, not in their neighbours)."""
     from data.batch import CATEGORICAL as CAT
-    from tabfm.estimators.neighbors import Neighbors
+    from data.neighbors import Neighbors
     from tests.test_estimators import StubModel
 
     X, y = table(80)

@@ -22,6 +22,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from tabfm.train.config import GEMINI_PLACEMENTS, PRECISIONS, PRETRAIN_PLUGINS, PretrainConfig
+from tabfm.model.config import CONTEXT_FEATURES
 from tabfm.train.optim import OPTIMIZERS
 
 if TYPE_CHECKING:
@@ -29,11 +30,11 @@ if TYPE_CHECKING:
 
 # command-line flag -> PretrainConfig field, for the plain overrides
 _FIELDS = {
-    "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "warmup_steps": int, "precision": str,
+    "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "muon_lr": float, "warmup_steps": int, "precision": str,
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
     "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
-    "n_layers": int,
+    "n_layers": int, "context_features": str,
 }
 _HELP = {
     "data": "train on a table store directory (tabfm synth --out, data.store.write_table) instead of the "
@@ -42,6 +43,10 @@ _HELP = {
     "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
     "cells_per_token": "cells of a row packed into one token (ModelConfig.cells_per_token; default 1): "
                        "~1/G of the compute per cell",
+    "muon_lr": "--optimizer muon: learning rate of the blocks' hidden matrices (Muon, RMS-matched to AdamW)",
+    "context_features": "extra columns every prediction episode carries, recorded in the model's config so the "
+                        "estimators show the same: none (default), knn-linear (neighbour target means at "
+                        "k = 5, 20 + an out-of-fold ridge score; data.context_features), knn",
     "n_layers": "blocks of the model (default: the preset's); with --init from a model with fewer blocks, "
                 "its blocks are repeated, the repeats starting as identity (a deeper model that starts "
                 "as the trained one)",
@@ -75,7 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     for name, typ in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        kwargs = {"choices": OPTIMIZERS} if name == "optimizer" else {"choices": PRECISIONS} if name == "precision" else {}
+        kwargs = {"choices": OPTIMIZERS} if name == "optimizer" else {"choices": PRECISIONS} if name == "precision" \
+            else {"choices": CONTEXT_FEATURES} if name == "context_features" else {}
         if name in _HELP:
             kwargs["help"] = _HELP[name]
         if name == "stream":

@@ -22,12 +22,12 @@ from torch import nn
 
 from data.batch import CATEGORICAL, NUMERIC
 from data.encode import TableSchema, encode_frame
-from tabfm.inference import CellFn, ContextPredictor, predict_rows, with_target
+from tabfm.inference import CellFn, ContextPredictor, append_context_features, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
 from .linear import LinearScores, worth_showing
-from .neighbors import Neighbors, neighbor_sizes
+from data.neighbors import Neighbors, neighbor_sizes
 
 DEFAULT_N_ESTIMATORS = 4
 DEFAULT_MAX_CONTEXT_ROWS = 2048
@@ -56,6 +56,12 @@ class Runtime:
         return dataclasses.replace(self, id_seed=int(member.seed) & 0xFFFFFFFF)
 
     @property
+    def context_features(self) -> str:
+        """The model's context features (ModelConfig.context_features): "none" for a model pretrained
+        without; otherwise every prediction shows it those columns, and only those (module doc)."""
+        return getattr(self.model.config, "context_features", "none")
+
+    @property
     def max_categories(self) -> int:
         """Width K of the model's categorical head: codes 0..K-1 can be predicted."""
         return int(self.model.config.max_categories)
@@ -66,7 +72,9 @@ class View:
     """One member's view of the table for a separate target: its context rows (indices into the
     training rows), context and query features, their kinds and cardinalities as the model gets
     them, the rows' nearest context neighbours (None unless n_neighbors) and the context-fitted
-    linear scores (None unless the estimator uses them: linear features, the regressor's residual)."""
+    linear scores (None unless the estimator uses them: linear features, the regressor's residual);
+    source_kind / source_card: the columns' kinds as encoded (what context features measure
+    distances by, whatever `kind` shows the model)."""
 
     rows: np.ndarray
     ctx: np.ndarray
@@ -75,6 +83,8 @@ class View:
     card: np.ndarray
     neighbors: Neighbors | None = None
     linear: LinearScores | None = None
+    source_kind: np.ndarray | None = None
+    source_card: np.ndarray | None = None
 
     def subset(self, sel: np.ndarray) -> "View":
         """The view with only the context rows where the boolean mask `sel` is set."""
@@ -281,7 +291,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
     n_neighbors  neighbourhood sizes (default (5, 20); an int k is (k,); 0 = off): show the model,
                  as extra feature columns (on top of max_columns), the target's mean over each
                  row's k nearest context rows for each k (classification: the share of the class;
-                 leave-one-out on the context rows; see tabfm.estimators.neighbors). With the
+                 leave-one-out on the context rows; see data.neighbors). With the
                  shipped weights the largest gain measured (README, BENCHMARKS.md).
     linear_features  show the model, as one more extra feature column per target, the score of a
                  linear model of the target fitted on the context rows (logistic regression for a
@@ -309,15 +319,17 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         """Does a view need the context-fitted linear scores (View.linear)?"""
         return bool(self.linear_features)
 
-    def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool) -> View:
+    def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool, rt: Runtime) -> View:
         """A member's view of the table for the target `self.y_` (see View); classes: y_ holds class
-        codes (the context is then stratified by class)."""
+        codes (the context is then stratified by class). A model with context features gets no
+        other extra column (the legacy neighbour / linear features are for models without)."""
         rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows,
                          self.y_ if classes else None)
         # neighbour and linear features read every column, the model the member's own (max_columns)
-        sizes = neighbor_sizes(self.n_neighbors)
+        legacy = rt.context_features == "none"
+        sizes = neighbor_sizes(self.n_neighbors) if legacy else ()
         cols = member.column_groups[0]
-        want_linear = self._uses_linear()
+        want_linear = self._uses_linear() and legacy
         read = np.arange(self.train_x_.shape[1]) if sizes or want_linear else cols
         ctx, query = member.view(self.train_x_[rows], read), member.view(x_query, read)
         # a linear model reads the features as they are (a rank transform would bend linear relations)
@@ -332,7 +344,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         kind, card = self._kind[cols], self._card[cols]
         if self.categorical == "ordinal":  # the member's relabelled codes, read as numbers
             kind, card = np.where(kind == CATEGORICAL, NUMERIC, kind), np.where(kind == CATEGORICAL, 0, card)
-        return View(rows, ctx, query, kind, card, neighbors, linear)
+        return View(rows, ctx, query, kind, card, neighbors, linear, self._kind[cols], self._card[cols])
 
     def _predict_target(self, rt: Runtime, view: View, context_y: np.ndarray, n_classes: int | None, fn: CellFn,
                         feature_targets: np.ndarray | None = None) -> np.ndarray:
@@ -340,9 +352,14 @@ class SupervisedTabFMEstimator(TabFMEstimator):
 
         feature_targets (n_context, m): the view's neighbour means (m per neighbourhood size) and
         linear scores (those worth showing, at most m) of these targets are shown as extra numeric
-        feature columns (see tabfm.estimators.neighbors and tabfm.estimators.linear).
+        feature columns (see data.neighbors and tabfm.estimators.linear).
         """
         context_x, query_x, kind, cardinality = view.ctx, view.query, view.kind, view.card
+        if rt.context_features != "none":  # exactly the columns its pretraining episodes carried
+            context_x, query_x, kind, cardinality = append_context_features(
+                context_x, query_x, kind, cardinality, context_y, n_classes, rt.context_features,
+                np.random.default_rng([rt.id_seed, 1]), design=(view.source_kind, view.source_card))
+            feature_targets = None
         extras = []
         if feature_targets is not None and view.neighbors is not None:
             extras.append(view.neighbors.features(feature_targets))

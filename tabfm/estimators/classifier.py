@@ -100,7 +100,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         members = self._members(cover_all=False, n_classes=n)
         total = np.zeros((len(x), n))
         for m in members:
-            view = self._supervised_view(m, x, classes=True)
+            view = self._supervised_view(m, x, classes=True, rt=rt)
             y = m.class_perm[self.y_[view.rows]]
             if n > 2 and self.multiclass == "ovr":
                 probs = self._one_vs_rest(rt.for_member(m), view, y, n)

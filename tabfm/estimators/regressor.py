@@ -108,9 +108,9 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
         members = self._members(cover_all=False)
         total = np.zeros((len(x), 1 + len(levels)))
         for m in members:
-            view = self._supervised_view(m, x, classes=False)
+            view = self._supervised_view(m, x, classes=False, rt=rt)
             y, shift = self.y_[view.rows], np.zeros((len(x), 1))
-            if self.linear_residual:  # the model sees what the context-fitted ridge misses
+            if self.linear_residual and view.linear is not None:  # the model sees what the context-fitted ridge misses
                 base_c, base_q = view.linear.features(y, dtype=np.float64)
                 y, shift = y - base_c[:, 0], base_q
             out = self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y)

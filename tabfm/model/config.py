@@ -19,6 +19,7 @@ from typing import Any
 
 
 CODE_IDS = ("fixed", "per_column")
+CONTEXT_FEATURES = ("none", "knn-linear", "knn")  # data.context_features.ContextFeatureSpec.NAMES (a test keeps them equal)
 FIXED_CODE_SEED = 0x5EED  # the seed of the shared code identities when code_ids == "fixed"
 
 
@@ -42,6 +43,11 @@ class ModelConfig:
     dropout                 dropout on attention weights and residual branches.
     norm_eps                RMSNorm epsilon.
     activation_checkpointing  recompute each block in backward (torch.utils.checkpoint).
+    context_features        what the model reads beyond a table's own columns: the name of a
+                            data.context_features spec ("none", "knn-linear", "knn") whose extra
+                            columns every prediction episode of its pretraining carried. Not
+                            architecture (the weights do not depend on it) but part of the input
+                            contract: the estimators build the same columns for such a model.
     cells_per_token         G: the blocks run on tokens of G cells of a row (TabPFN v2 packs 2),
                             so attention and MLPs cost ~1/G per cell. Which cells share a token
                             follows the columns' identity vectors (content-derived in eval mode,
@@ -63,6 +69,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     activation_checkpointing: bool = False
     cells_per_token: int = 1
+    context_features: str = "none"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +107,8 @@ class ModelConfig:
         need(self.cells_per_token >= 1, "cells_per_token", "must be >= 1")
         need(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         need(self.norm_eps > 0, "norm_eps", "must be > 0")
+        need(self.context_features in CONTEXT_FEATURES, "context_features",
+             f"must be one of {', '.join(CONTEXT_FEATURES)}")
         need(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be a bool")
         return self
 

@@ -8,7 +8,7 @@ from typing import Any
 from tabfm.model import ModelConfig
 from tabfm.train.optim import OPTIMIZERS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PLUGINS = ("single", "ddp", "zero", "fsdp")  # engine plugins a training run (pretrain, finetune) can use
 PRETRAIN_PLUGINS = (*PLUGINS, "hybrid", "gemini")  # pretraining also splits tables, or offloads (Gemini)
 GEMINI_PLACEMENTS = ("static", "auto")
@@ -32,6 +32,9 @@ class PretrainConfig:
     data_cells_per_batch, data_max_batch
                    with `data`: padded cells and tables per batch (per data-parallel rank and
                    micro-batch); None takes the stream preset's cells_per_batch / max_batch
+    context_features  extra columns every prediction episode carries (data.context_features:
+                   "none", "knn-linear" = neighbour means at k = 5, 20 + a ridge score, "knn"); they
+                   are recorded in the model's config, so the estimators show the model the same
     steps          optimizer steps of the whole run (also the length of the cosine schedule)
     max_minutes    wall-clock budget of this invocation; on expiry it checkpoints and exports
     threads        torch intra-op threads (None: torch's default); on a busy 2-core machine 1 is fastest
@@ -66,6 +69,7 @@ class PretrainConfig:
     model: str = "tiny"
     cells_per_token: int = 1
     n_layers: int | None = None
+    context_features: str = "none"
     stream: str = "pretrain"
     data: str | None = None
     data_cells_per_batch: int | None = None
@@ -80,7 +84,7 @@ class PretrainConfig:
     warmup_steps: int = 60
     weight_decay: float = 0.01
     clip: float = 1.0
-    precision: str = "bf16"
+    precision: str = "auto"
     grad_accum: int = 1
     seed: int = 0
     workers: int = 1
@@ -201,9 +205,25 @@ class PretrainConfig:
                  "must be None or an integer >= 1")
 
 
+def resolve_precision(precision: str, device: "torch.device | str") -> str:
+    """The precision a run trains in. "auto": bf16 on CUDA and on CPUs where tabfm's fused bf16
+    kernels run (AVX512-BF16); fp32 on other CPUs, where torch's bf16 ops ran a tiny train step
+    ~7x slower than fp32 (11 s vs 1.5 s on a 2-core AVX2 EPYC; BENCHMARKS.md)."""
+    if precision != "auto":
+        return precision
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return "bf16"
+    from tabfm.model.cpu_kernels.build import available
+
+    return "bf16" if available() else "fp32"
+
+
 def run_model_config(train: "PretrainConfig | dict[str, Any]") -> ModelConfig:
     """The ModelConfig a run trains: its preset with the run's cells_per_token and n_layers
     (`train` may be the dict a run saved in train_config.json, older ones lacking those keys)."""
     t = train.to_dict() if isinstance(train, PretrainConfig) else train
     extra = {"n_layers": t["n_layers"]} if t.get("n_layers") is not None else {}
-    return ModelConfig.preset(t["model"], cells_per_token=t.get("cells_per_token", 1), **extra)
+    return ModelConfig.preset(t["model"], cells_per_token=t.get("cells_per_token", 1),
+                              context_features=t.get("context_features", "none"), **extra)

@@ -40,8 +40,10 @@ def synthetic_eval(cfg: StreamConfig, seed: int, n_batches: int) -> Callable[[nn
 SKLEARN_DATASETS = ("breast_cancer", "wine", "iris")
 
 
-def sklearn_eval(names: tuple[str, ...] = SKLEARN_DATASETS, seed: int = 0) -> Callable[[nn.Module], dict[str, float]]:
-    """ROC-AUC and accuracy of in-context classification on a stratified 50/50 split of each dataset."""
+def sklearn_eval(names: tuple[str, ...] = SKLEARN_DATASETS, seed: int = 0,
+                 context_features: str = "none") -> Callable[[nn.Module], dict[str, float]]:
+    """ROC-AUC and accuracy of in-context classification on a stratified 50/50 split of each dataset,
+    one n-way pass with the model's `context_features` (what its pretraining episodes showed it)."""
     from sklearn import datasets
     from sklearn.model_selection import train_test_split
 
@@ -54,7 +56,7 @@ def sklearn_eval(names: tuple[str, ...] = SKLEARN_DATASETS, seed: int = 0) -> Ca
         enc_tr, schema = encode_frame(X.iloc[tr])
         enc_te, _ = encode_frame(X.iloc[te], schema=schema)
         batch = target_batch(enc_tr.x.numpy(), codes[tr], enc_te.x.numpy(), enc_tr.kind.numpy(),
-                             enc_tr.cardinality.numpy(), len(classes))
+                             enc_tr.cardinality.numpy(), len(classes), context_features, seed)
         tasks.append((name, batch, codes[te], len(classes)))
 
     def run(model: nn.Module) -> dict[str, float]:

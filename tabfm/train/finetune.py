@@ -45,7 +45,7 @@ from parallel import Booster, Plugin, latest_checkpoint
 from parallel.launch import barrier, seed_for_rank
 from synth.stream import StreamConfig, SynthStream
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
-from tabfm.train.config import PLUGINS, PRECISIONS
+from tabfm.train.config import PLUGINS, PRECISIONS, resolve_precision
 from tabfm.train.optim import OPTIMIZERS, build_optimizer, warmup_cosine
 from tabfm.train.pretrain import TRAIN_CONFIG, announce_resume, build_plugin, export_config, warm_start
 from tabfm.train.trainer import Trainer, TrainResult
@@ -92,7 +92,7 @@ class FinetuneConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     clip: float = 1.0
-    precision: str = "bf16"
+    precision: str = "auto"
     grad_accum: int = 1
     seed: int = 0
     holdout: float = 0.2
@@ -583,7 +583,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         warm_start(model, cfg.init)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
-    booster = Booster(plug, precision=cfg.precision)
+    booster = Booster(plug, precision=resolve_precision(cfg.precision, plug.device))
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
         torch.manual_seed(seed_for_rank(cfg.seed, plug.dp_rank))

@@ -32,7 +32,7 @@ from synth.dataset import SynthDataset, SynthLoader
 from synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.model.growth import group_cells, grow_depth
-from tabfm.train.config import PretrainConfig, run_model_config
+from tabfm.train.config import PretrainConfig, resolve_precision, run_model_config
 from tabfm.train.evaluate import sklearn_eval, synthetic_eval
 from tabfm.train.optim import build_optimizer, warmup_cosine
 from tabfm.train.trainer import Trainer, TrainResult
@@ -105,8 +105,9 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
         saved = json.loads(saved_path.read_text())
-        for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer"):
-            if saved.get(key, 1 if key == "cells_per_token" else None) != getattr(cfg, key):
+        defaults = {"cells_per_token": 1, "context_features": "none"}
+        for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer", "context_features"):
+            if saved.get(key, defaults.get(key)) != getattr(cfg, key):
                 raise ValueError(
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
                     "use another --out or the same settings to resume"
@@ -169,6 +170,7 @@ def warm_start(model: TabFM, init: str) -> None:
     theirs = ModelConfig.from_dict(header["model"]).to_dict() if "model" in header else {}
     ours = model.config.to_dict()
     diff = {k: (v, theirs.get(k)) for k, v in ours.items() if theirs.get(k) != v}
+    diff.pop("context_features", None)  # an input contract, not weights: a run may teach the init new columns
     if "cells_per_token" in diff and theirs.get("cells_per_token") == 1:
         state = group_cells(state, ours["d_model"], ours["cells_per_token"])
         diff.pop("cells_per_token")
@@ -189,7 +191,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     plug = plugin if plugin is not None else build_plugin(cfg)
     main = plug.is_main_process
     model_cfg = run_model_config(cfg)
-    stream_cfg = StreamConfig.preset(cfg.stream)
+    stream_cfg = StreamConfig.preset(cfg.stream, context_features=cfg.context_features)
     headers = store = None
     if cfg.data is not None:  # a store that is missing, empty or unreadable fails here, before anything is written
         headers = open_store(cfg.data)
@@ -212,7 +214,10 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         warm_start(model, cfg.init)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
-    booster = Booster(plug, precision=cfg.precision)
+    precision = resolve_precision(cfg.precision, plug.device)
+    if main and progress and precision != cfg.precision:
+        print(f"pretrain {out}: precision {cfg.precision} -> {precision} on {plug.device}", flush=True)
+    booster = Booster(plug, precision=precision)
     model, optimizer, criterion, _, scheduler = booster.boost(model, optimizer, masked_cell_loss,
                                                               lr_scheduler=scheduler)
     if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
@@ -231,7 +236,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     if cfg.eval_batches > 0:
         evaluators["synth"] = synthetic_eval(stream_cfg, cfg.seed, cfg.eval_batches)
     if cfg.eval_sklearn:
-        evaluators["sklearn"] = sklearn_eval()
+        evaluators["sklearn"] = sklearn_eval(context_features=cfg.context_features)
 
     trainer = Trainer(
         booster, model, optimizer, scheduler, criterion, data, out,

@@ -1,0 +1,143 @@
+"""Context features: extra columns computed from a prediction episode's context rows, part of what
+the model sees.
+
+A model pretrained with a context-feature spec gets, for every prediction episode, extra numeric
+columns appended after the table's own columns: what the nearest context rows say about the
+target (their mean of it at each neighbourhood size k; leave-one-out for the context rows) and,
+optionally, an out-of-fold ridge regression's score of it. The synthetic stream, the table-store
+episodes, fine-tuning and the estimators all build them with `context_features`, so the model
+reads at inference exactly the inputs it learnt from. No query label is ever involved: a query
+row's features come from the context rows only, and do not depend on the other query rows.
+
+Targets of the features (`feature_targets`): a class target with n classes gives the indicators of
+classes 1..n-1 (n = 2: one 0/1 column), a numeric target its value; every target gets one column
+per neighbourhood size and, with `linear`, one ridge column. Distances and the ridge design are
+`data.neighbors.design` (numeric standardised on the context, categorical one-hot, missing at the
+mean), scaled by each coordinate's relevance to the target for the neighbours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from data.neighbors import Neighbors, design, relevance
+
+LINEAR_FOLDS = 5  # out-of-fold ridge scores of the context rows
+RIDGE_ALPHA = 1.0  # L2 strength of the ridge on the standardised design
+
+
+@dataclass(frozen=True)
+class ContextFeatureSpec:
+    """Which context features an episode carries: neighbour means at sizes `neighbors`, and a ridge
+    score when `linear`. `ContextFeatureSpec.named(name)` gives the presets ("none" -> None)."""
+
+    neighbors: tuple[int, ...] = (5, 20)
+    linear: bool = True
+
+    PRESETS: ClassVar[dict[str, dict]] = {
+        "knn-linear": dict(neighbors=(5, 20), linear=True),
+        "knn": dict(neighbors=(5, 20), linear=False),
+    }
+    NAMES: ClassVar[tuple[str, ...]] = ("none", "knn-linear", "knn")
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1 for k in self.neighbors):
+            raise ValueError(f"ContextFeatureSpec.neighbors must be sizes >= 1, got {self.neighbors!r}")
+        if not self.neighbors and not self.linear:
+            raise ValueError("ContextFeatureSpec with no neighbour sizes and no linear score carries nothing; "
+                             "use the name 'none'")
+
+    @classmethod
+    def named(cls, name: str) -> "ContextFeatureSpec | None":
+        """The spec of a preset name; None for "none"."""
+        if name == "none":
+            return None
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown context features {name!r}; choose from {', '.join(cls.NAMES)}")
+        return cls(**cls.PRESETS[name])
+
+    def width(self, n_targets: int) -> int:
+        """Extra columns for `n_targets` feature targets."""
+        return n_targets * (len(self.neighbors) + int(self.linear))
+
+
+def feature_targets(y: np.ndarray, n_classes: int | None) -> np.ndarray:
+    """(len(y), m) what the features average: indicators of classes 1..n-1 for class codes 0..n-1,
+    or the value itself (n_classes None: a numeric target)."""
+    y = np.asarray(y, dtype=np.float64)
+    if n_classes is None:
+        return y[:, None]
+    if n_classes < 2:
+        raise ValueError(f"a class target needs n_classes >= 2, got {n_classes}")
+    return (y[:, None] == np.arange(1, n_classes)[None, :]).astype(np.float64)
+
+
+def ridge_scores(ctx_points: np.ndarray, query_points: np.ndarray, targets: np.ndarray,
+                 folds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ridge (with intercept, alpha RIDGE_ALPHA) scores of every target column: out of fold for the
+    context rows (fold f's rows from the model fitted on the others), the full fit for the query rows."""
+
+    def fit_predict(a: np.ndarray, t: np.ndarray, x: np.ndarray) -> np.ndarray:
+        if len(a) == 0:
+            return np.zeros((len(x), t.shape[1]))
+        mu_a, mu_t = a.mean(0), t.mean(0)
+        ac = a - mu_a
+        gram = ac.T @ ac + RIDGE_ALPHA * np.eye(a.shape[1])
+        w = np.linalg.solve(gram, ac.T @ (t - mu_t))
+        return (x - mu_a) @ w + mu_t
+
+    ctx = np.zeros(targets.shape)
+    for f in np.unique(folds):
+        held = folds == f
+        ctx[held] = fit_predict(ctx_points[~held], targets[~held], ctx_points[held])
+    return ctx, fit_predict(ctx_points, targets, query_points)
+
+
+def context_features(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+                     y_ctx: np.ndarray, n_classes: int | None, spec: ContextFeatureSpec,
+                     rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """The extra columns of one prediction episode: (n_ctx, E) and (n_query, E) float32, E =
+    spec.width(m), grouped as [neighbour means at each k (m columns each), ridge scores (m)].
+
+    ctx / query: the feature columns of the context and query rows (no target), with their `kind`
+    and `cardinality`; y_ctx: the context rows' target (class codes 0..n_classes-1, or numbers with
+    n_classes None). `rng` deals the context rows into the ridge's folds. With a single context row
+    (or no feature column) there is nothing to compare rows by: query rows get the context mean of
+    each target, the lone context row 0 (leave-one-out leaves nothing).
+    """
+    t = feature_targets(y_ctx, n_classes)
+    n_ctx, n_query, width = len(ctx), len(query), spec.width(t.shape[1])
+    if n_ctx == 0:
+        raise ValueError("context features need at least one context row")
+    if n_ctx < 2 or ctx.shape[1] == 0:  # nothing to compare rows by: every row gets the context mean
+        mean = np.tile(t.mean(0), width // t.shape[1])
+        return (np.zeros((n_ctx, width), np.float32) if n_ctx < 2 else np.tile(mean, (n_ctx, 1)).astype(np.float32),
+                np.tile(mean, (n_query, 1)).astype(np.float32))
+    a, b = design(ctx, query, kind, cardinality)
+    parts_c, parts_q = [], []
+    if spec.neighbors:
+        w = relevance(a, np.asarray(y_ctx, dtype=np.float64), classes=n_classes is not None)
+        nb = Neighbors(a * w, b * w, spec.neighbors)
+        nb_c, nb_q = nb.features(t)
+        parts_c += _per_size(nb_c, nb.ks, spec.neighbors, n_ctx)
+        parts_q += _per_size(nb_q, nb.ks, spec.neighbors, n_ctx)
+    if spec.linear:
+        folds = rng.permutation(n_ctx) % min(LINEAR_FOLDS, n_ctx)
+        lin_c, lin_q = ridge_scores(a, b, t, folds)
+        parts_c.append(lin_c)
+        parts_q.append(lin_q)
+    return np.hstack(parts_c).astype(np.float32), np.hstack(parts_q).astype(np.float32)
+
+
+def _per_size(features: np.ndarray, computed: tuple[int, ...], requested: tuple[int, ...], n_ctx: int) -> list[np.ndarray]:
+    """Neighbors computes each distinct size min(k, n_ctx - 1) once, in sorted order: give every
+    requested size its own block of columns, in the requested order (coinciding sizes repeat), so
+    the width never depends on the number of rows."""
+    m = features.shape[1] // len(computed)
+    blocks = []
+    for k in requested:
+        i = computed.index(min(k, n_ctx - 1))
+        blocks.append(features[:, i * m:(i + 1) * m])
+    return blocks
