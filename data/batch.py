@@ -85,14 +85,36 @@ class TableBatch:
         return batch
 
     @staticmethod
-    def collate(tables: Sequence["TableBatch"]) -> "TableBatch":
-        """Concatenate batches that share R and C along the batch axis."""
+    def collate(tables: Sequence["TableBatch"], pad_columns: bool = False) -> "TableBatch":
+        """Concatenate batches that share R and C along the batch axis; with pad_columns, batches
+        of fewer columns first get padding columns up to the widest (e.g. episodes with and
+        without context features)."""
         if not tables:
             raise ValueError("collate needs at least one TableBatch")
+        if pad_columns:
+            width = max(t.shape[2] for t in tables)
+            tables = [t.pad_columns(width) for t in tables]
         shapes = {t.shape[1:] for t in tables}
         if len(shapes) != 1:
             raise ValueError(f"collate needs tables of one shape (rows, cols); got {sorted(shapes)}")
         return TableBatch(**{f.name: torch.cat([getattr(t, f.name) for t in tables]) for f in fields(TableBatch)})
+
+    def pad_columns(self, cols: int) -> "TableBatch":
+        """The batch with padding columns appended up to `cols` columns."""
+        extra = cols - self.shape[2]
+        if extra < 0:
+            raise ValueError(f"pad_columns: the batch has {self.shape[2]} columns, more than {cols}")
+        if extra == 0:
+            return self
+        b, r, _ = self.shape
+
+        def grow(t: torch.Tensor, fill: int | float | bool, dims: tuple[int, ...]) -> torch.Tensor:
+            return torch.cat([t, torch.full(dims, fill, dtype=t.dtype)], dim=-1)
+
+        return TableBatch(x=grow(self.x, 0.0, (b, r, extra)), kind=grow(self.kind, PAD, (b, extra)),
+                          cardinality=grow(self.cardinality, 0, (b, extra)), row_valid=self.row_valid,
+                          col_valid=grow(self.col_valid, False, (b, extra)), context=self.context,
+                          query=grow(self.query, False, (b, r, extra)))
 
     # ----------------------------------------------------------------- moving
     def to(self, device: torch.device | str | None = None, non_blocking: bool = False) -> "TableBatch":

@@ -18,7 +18,8 @@ default) categorical features shown as numbers in prediction episodes.
 The batch at stream position p is a pure function of (seed, p, rank): its table, row count and
 batch size depend on (seed, p) only, so data-parallel ranks build batches of the same cost; the
 episodes depend on the rank too, so ranks never duplicate work. All B episodes of a batch come
-from one table and have the same n rows, so they stack with `TableBatch.collate` without padding.
+from one table and have the same n rows, so they stack with `TableBatch.collate` (prediction
+episodes with context features are wider than imputation episodes: those get padding columns).
 Resuming needs only the next position (`state_dict`).
 
 `pose_episode` is the episode logic itself, on rows chosen by the caller: the table-store
@@ -38,6 +39,7 @@ import pandas as pd
 import torch
 
 from data.batch import CATEGORICAL, NUMERIC, TableBatch
+from data.context_features import ContextFeatureSpec, context_features
 from data.encode import TableSchema, encode_frame
 from data.seekable import SeekableStream
 
@@ -176,6 +178,8 @@ class EpisodeConfig:
     imputation           probability that an episode is an imputation episode
     categorical          "ordinal" (categorical features shown as relabelled codes read as numbers in
                          prediction episodes, the estimators' default) or "identity" (categorical cells)
+    context_features     extra columns of prediction episodes (data.context_features; the model's
+                         ModelConfig.context_features), inserted before the target as the estimators do
     """
 
     min_rows: int = 32
@@ -188,6 +192,7 @@ class EpisodeConfig:
     mask_fraction: tuple[float, float] = (0.05, 0.3)
     imputation: float = 0.2
     categorical: str = "ordinal"
+    context_features: str = "none"
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -202,6 +207,8 @@ class EpisodeConfig:
         need(isinstance(self.max_classes, int) and self.max_classes >= 2, "max_classes", "must be an integer >= 2")
         need(0.0 <= self.imputation <= 1.0, "imputation", "must be a probability in [0, 1]")
         need(self.categorical in CATEGORICAL_MODES, "categorical", f"must be one of {CATEGORICAL_MODES}")
+        need(self.context_features in ContextFeatureSpec.NAMES, "context_features",
+             f"must be one of {ContextFeatureSpec.NAMES}")
         for name, open_low in (("context_fraction", True), ("mask_fraction", False)):
             v = getattr(self, name)
             ok = isinstance(v, (tuple, list)) and len(v) == 2 and 0.0 <= v[0] <= v[1] <= 1.0 and (v[1] > 0 or not open_low)
@@ -260,6 +267,17 @@ def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cf
         context[:] = False
         context[rng.permutation(n)[:n_ctx]] = True
         query[~context, -1] = True
+        spec = ContextFeatureSpec.named(cfg.context_features)
+        if spec is not None:  # measured on the codes as encoded, before they are shown as numbers
+            n_classes = int(card[-1]) if table.task == CLASSIFICATION else None
+            extra_c, extra_q = context_features(x[context, :-1], x[~context, :-1], kind[:-1], card[:-1],
+                                                x[context, -1], n_classes, spec, rng)
+            extra = np.zeros((n, extra_c.shape[1]), dtype=np.float32)
+            extra[context], extra[~context] = extra_c, extra_q
+            x = np.hstack([x[:, :-1], extra, x[:, -1:]])
+            kind = np.concatenate([kind[:-1], np.full(extra.shape[1], NUMERIC, dtype=kind.dtype), kind[-1:]])
+            card = np.concatenate([card[:-1], np.zeros(extra.shape[1], dtype=card.dtype), card[-1:]])
+            query = np.hstack([query[:, :-1], np.zeros((n, extra.shape[1]), dtype=bool), query[:, -1:]])
         if cfg.categorical == "ordinal":  # as the estimators show features by default: codes read as numbers
             cat_feat = kind[:-1] == CATEGORICAL
             kind[:-1][cat_feat], card[:-1][cat_feat] = NUMERIC, 0
@@ -329,7 +347,7 @@ class TableEpisodeSampler(SeekableStream):
             tasks.append(task)
             used.append(source_rows)
         info = EpisodeInfo(position, self.rank, table.name, tuple(tasks), tuple(used))
-        return TableBatch.collate(parts), info
+        return TableBatch.collate(parts, pad_columns=True), info
 
     def batch_at(self, position: int) -> TableBatch:
         return self.episode_at(position)[0]

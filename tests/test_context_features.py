@@ -164,3 +164,37 @@ def test_warm_start_teaches_an_init_new_columns_and_resume_keeps_them(tmp_path):
     (tmp_path / "train_config.json").write_text(json.dumps({**cfg.to_dict(), "context_features": "none"}))
     with pytest.raises(ValueError, match="context_features='none'"):
         _check_same_run(tmp_path, cfg)
+
+
+def test_fine_tuning_episodes_carry_the_shared_columns_before_the_target():
+    """pose_episode with the model's context features: the episode's features + context_features(...) of
+    them (measured on the codes as encoded, the rng's next draws), then the target; imputation
+    episodes of the same batch are padded to the width."""
+    from data.table_episodes import EpisodeConfig, EpisodeTable, TableEpisodeSampler, pose_episode
+
+    rng = np.random.default_rng(0)
+    n = 60
+    x = np.column_stack([rng.normal(size=n), rng.integers(0, 4, n), rng.integers(0, 3, n)]).astype(np.float32)
+    table = EpisodeTable("t", x, np.array([NUMERIC, CATEGORICAL, CATEGORICAL], np.int8), np.array([0, 4, 3]),
+                         "classification", np.arange(n))
+    cfg = EpisodeConfig(min_rows=8, max_rows=40, imputation=0.0, context_features="knn-linear", categorical="identity")
+    plain = EpisodeConfig(min_rows=8, max_rows=40, imputation=0.0, categorical="identity")
+    take = np.arange(40)
+    got = pose_episode(table, take, 3, "classification", cfg, np.random.default_rng(7))
+    base = pose_episode(table, take, 3, "classification", plain, np.random.default_rng(7))
+    assert got.shape == (1, 40, 3 + 2 * 3)
+    ctx = base.context[0].numpy()
+    bx = base.x[0].numpy()
+    replay = np.random.default_rng(7)
+    pose_episode(table, take, 3, "classification", plain, replay)  # the same draws up to the features
+    want_c, want_q = context_features(bx[ctx, :2], bx[~ctx, :2], np.array([NUMERIC, CATEGORICAL]), np.array([0, 4]),
+                                      bx[ctx, 2], 3, ContextFeatureSpec.named("knn-linear"), replay)
+    gx = got.x[0].numpy()
+    np.testing.assert_array_equal(np.nan_to_num(gx[:, :2], nan=-9), np.nan_to_num(bx[:, :2], nan=-9))
+    np.testing.assert_array_equal(gx[ctx, 2:8], want_c)
+    np.testing.assert_array_equal(gx[~ctx, 2:8], want_q)
+    np.testing.assert_array_equal(gx[:, 8], bx[:, 2])
+    assert got.query[0, :, -1].equal(~base.context[0]) and not got.query[0, :, :-1].any()
+    mixed = TableEpisodeSampler([table], cfg.replace(imputation=0.5), seed=1)
+    for p in range(8):
+        mixed.batch_at(p).validate()

@@ -142,12 +142,14 @@ class FinetuneConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def episode_config(self, max_classes: int) -> EpisodeConfig:
-        """The episode settings, for a model whose categorical head scores `max_classes` codes."""
+    def episode_config(self, max_classes: int, context_features: str = "none") -> EpisodeConfig:
+        """The episode settings, for a model whose categorical head scores `max_classes` codes and
+        that reads `context_features` (its ModelConfig's: fine-tuning trains on what inference shows)."""
         return EpisodeConfig(min_rows=self.min_rows, max_rows=self.max_rows, cells_per_batch=self.cells_per_batch,
                              max_batch=self.max_batch, max_columns=self.max_columns, max_classes=max_classes,
                              context_fraction=self.context_fraction, mask_fraction=self.mask_fraction,
-                             imputation=self.imputation, categorical=self.categorical)
+                             imputation=self.imputation, categorical=self.categorical,
+                             context_features=context_features)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -591,12 +593,13 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     from tqdm.auto import tqdm
 
     keeper = BestKeeper(cfg.patience, cfg.min_delta, log=tqdm.write if talk else None)
-    sampler = TableEpisodeSampler([t.episodes for t in tables], cfg.episode_config(model_cfg.max_categories),
-                                  seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
+    episodes = cfg.episode_config(model_cfg.max_categories, model_cfg.context_features)
+    sampler = TableEpisodeSampler([t.episodes for t in tables], episodes, seed=cfg.seed, rank=plug.dp_rank,
+                                  world_size=plug.dp_world_size)
     replay = None
     if cfg.replay > 0:
-        replay = SynthStream(StreamConfig.preset(cfg.replay_stream), seed=cfg.seed, rank=plug.dp_rank,
-                             world_size=plug.dp_world_size)
+        replay_cfg = StreamConfig.preset(cfg.replay_stream, context_features=model_cfg.context_features)
+        replay = SynthStream(replay_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
     stream = FinetuneData(sampler, keeper, cfg.replay, replay, cfg.seed)
     holdout = HoldoutEval(tables, cfg)
 

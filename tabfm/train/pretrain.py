@@ -268,7 +268,7 @@ def store_data(cfg: PretrainConfig, headers: Any, rank: int, world_size: int, ma
     stream_cfg = StreamConfig.preset(cfg.stream)
     cells = cfg.data_cells_per_batch if cfg.data_cells_per_batch is not None else stream_cfg.cells_per_batch
     max_batch = cfg.data_max_batch if cfg.data_max_batch is not None else stream_cfg.max_batch
-    return StoreEpisodes(cfg.data, EpisodeConfig(max_classes=max_classes), cells_per_batch=cells, max_batch=max_batch,
+    return StoreEpisodes(cfg.data, EpisodeConfig(max_classes=max_classes, context_features=cfg.context_features), cells_per_batch=cells, max_batch=max_batch,
                          seed=cfg.seed, world_size=world_size, rank=rank, num_workers=cfg.workers, headers=headers)
 
 
