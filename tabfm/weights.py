@@ -11,11 +11,12 @@ from __future__ import annotations
 from functools import lru_cache
 from os import PathLike
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch and the model load with the first model, not with the names below
+    import torch
 
-from parallel import load_exported
-from tabfm.model import ModelConfig, TabFM
+    from tabfm.model import TabFM
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
 SHIPPED_MODELS = ("tabfm-tiny",)
@@ -68,6 +69,8 @@ def resolve_model_path(model: str | PathLike) -> Path:
 
 def build_model(state_dict: dict[str, torch.Tensor], config: dict, where: str = "export") -> TabFM:
     """A TabFM in eval mode from an export's state dict and config.json dict; ValueError naming the problem."""
+    from tabfm.model import ModelConfig, TabFM
+
     if config.get("format") != EXPORT_FORMAT or config.get("version") != EXPORT_VERSION:
         raise ValueError(f"{where}: config.json is not a {EXPORT_FORMAT} v{EXPORT_VERSION} export "
                          f"(format={config.get('format')!r}, version={config.get('version')!r})")
@@ -85,6 +88,8 @@ def build_model(state_dict: dict[str, torch.Tensor], config: dict, where: str = 
 
 @lru_cache(maxsize=8)
 def _load_cached(path: str, size: int, mtime_ns: int, device: str) -> TabFM:
+    from parallel import load_exported
+
     state_dict, config = load_exported(path)
     return build_model(state_dict, config, where=path).to(device)
 
@@ -94,6 +99,8 @@ def load_model(model: str | PathLike = DEFAULT_MODEL, device: str | torch.device
 
     The returned module is shared between callers: do not modify it (use it in eval mode).
     """
+    import torch
+
     path = resolve_model_path(model)
     stat = (path / WEIGHTS_FILE).stat()
     return _load_cached(str(path), stat.st_size, stat.st_mtime_ns, str(torch.device(device)))

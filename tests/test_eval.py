@@ -5,7 +5,6 @@ shared/data (skipped if absent); no optional packages (xgboost, pyod, ...) neede
 """
 from __future__ import annotations
 
-import ast
 import json
 import warnings
 from pathlib import Path
@@ -25,8 +24,6 @@ from eval.protocols import (apply_mask, imputation_mask, run_anomaly, run_classi
 from eval.report import Report, average_ranks, mean_ranks, wins_ties_losses
 from eval.runner import Method, evaluate
 from eval.suites import Dataset, build_public, load_dataset, load_suite, save_dataset, shared_data_dir
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ============================================================================ helpers
@@ -61,19 +58,6 @@ def _mixed_frame(n: int = 400, seed: int = 0) -> pd.DataFrame:
     frame = pd.DataFrame({"a": a, "b": b, "c": c, "d": d, "e": e, "f": f})
     frame.loc[rng.random(n) < 0.05, "d"] = np.nan
     return frame
-
-
-# ============================================================================ house rule
-def test_eval_never_imports_tabfm():
-    for path in (ROOT / "eval").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            assert not any(n == "tabfm" or n.startswith("tabfm.") for n in names), f"{path.name} imports {names}"
 
 
 # ============================================================================ suites

@@ -51,7 +51,7 @@ def dying_write_manifest(ckpt, meta, checkpoint_io):
     return write_manifest(ckpt, meta, checkpoint_io)
 
 for name, module in list(sys.modules.items()):  # every checkpoint IO that imported it by name
-    if name.startswith("parallel") and getattr(module, "write_manifest", None) is write_manifest:
+    if name.startswith("tabfm.parallel") and getattr(module, "write_manifest", None) is write_manifest:
         module.write_manifest = dying_write_manifest
 from tabfm.cli import main
 sys.exit(main())

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
-
-from tabfm.weights import resolve_model_path
 
 TASKS = ("classification", "regression", "imputation", "anomaly")
 
@@ -53,13 +52,19 @@ def parse_params(text: str | None) -> dict[str, Any]:
 def inference_code_hash(root: Path | None = None) -> str:
     """Hash of the source the estimators' answers depend on (tabfm/estimators, tabfm/model,
     tabfm/inference.py, data/): part of the TabFM methods' cache version, so a change in how the
-    estimators predict is never served stale scores (any edit there recomputes them)."""
-    root = Path(__file__).resolve().parents[2] if root is None else Path(root)
-    files = sorted([*(root / "tabfm" / "estimators").glob("*.py"), *(root / "tabfm" / "model").glob("*.py"),
-                    root / "tabfm" / "inference.py", *(root / "data").glob("*.py")])
+    estimators predict is never served stale scores (any edit there recomputes them). `root` is a
+    folder laid out as the repository; by default the files are those imported (checkout or wheel),
+    named as in the repository so both give one hash."""
+    if root is None:
+        package = Path(__file__).resolve().parents[1]
+        data = Path(importlib.util.find_spec("tabfm.data").origin).parent  # found, not imported
+    else:
+        package, data = Path(root) / "tabfm", Path(root) / "data"
+    named = [(f"tabfm/{sub}/{f.name}", f) for sub in ("estimators", "model") for f in (package / sub).glob("*.py")]
+    named += [("tabfm/inference.py", package / "inference.py")] + [(f"data/{f.name}", f) for f in data.glob("*.py")]
     digest = hashlib.sha256()
-    for f in files:
-        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    for name, f in sorted(named):
+        digest.update(name.encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -73,6 +78,8 @@ def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = Non
     higher = more normal (sklearn), so it is flipped. The weights' hash is the method's version,
     so new weights are never served stale cached scores. No weights: a warning, no methods.
     """
+    from tabfm.weights import resolve_model_path
+
     try:
         path = resolve_model_path(model)
     except FileNotFoundError as err:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas loads when the command runs, not for --help
+    import pandas as pd
 
 TASKS = ("classification", "regression")
 MAX_INT_CLASSES = 20  # an integer target with at most this many distinct values is read as classes
@@ -50,6 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def read_csv(path: str) -> pd.DataFrame:
     """A CSV as a frame; ValueError naming the path when it cannot be read."""
+    import pandas as pd
+
     try:
         return pd.read_csv(path)
     except FileNotFoundError:
@@ -60,6 +64,8 @@ def read_csv(path: str) -> pd.DataFrame:
 
 def infer_task(y: pd.Series) -> str:
     """classification for non-numeric/boolean targets and integers with few values, else regression."""
+    import pandas as pd
+
     if pd.api.types.is_bool_dtype(y.dtype) or not pd.api.types.is_numeric_dtype(y.dtype):
         return "classification"
     if pd.api.types.is_integer_dtype(y.dtype) and y.nunique() <= MAX_INT_CLASSES:
@@ -68,6 +74,8 @@ def infer_task(y: pd.Series) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import pandas as pd
+
     from tabfm.estimators import TabFMClassifier, TabFMRegressor
     from tabfm.weights import ModelNotFoundError
 
