@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from eval.metrics import RANKED_METRICS  # noqa: E402
-from eval.runner import baseline_methods, evaluate  # noqa: E402
-from eval.suites import PUBLIC_TASKS, build_public, default_public_dir, shared_data_dir  # noqa: E402
+from tabfm.eval.metrics import RANKED_METRICS  # noqa: E402
+from tabfm.eval.runner import baseline_methods, evaluate  # noqa: E402
+from tabfm.eval.suites import PUBLIC_TASKS, build_public, default_public_dir, shared_data_dir  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     for task in tasks:
         names = args.methods.split(",") if args.methods else None
         if names is not None:
-            from eval.baselines import BASELINE_NAMES
+            from tabfm.eval.baselines import BASELINE_NAMES
 
             names = [n for n in names if n in BASELINE_NAMES[task]]
         methods = baseline_methods(task, names=names, n_jobs=args.threads)

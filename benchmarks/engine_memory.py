@@ -7,7 +7,7 @@
 Launches itself: for every (plugin, world size) it spawns a fresh group of gloo processes
 (`torch.multiprocessing`, spawn; through `tests/dist_utils.run_distributed`, which gives each
 process the torchrun environment and one intra-op thread and initialises the group with
-`parallel.launch.launch`), so each configuration's peak RSS is its own. No torchrun needed.
+`tabfm.parallel.launch.launch`), so each configuration's peak RSS is its own. No torchrun needed.
 
 Each rank builds `TabFM(ModelConfig.preset("small"))` (2.05M parameters, same seed everywhere),
 AdamW on its parameters, boosts both with the plugin (fp32), and runs ONE real training step
@@ -34,7 +34,7 @@ ZeRO-2 grads and optim ≈ 1/N, FSDP params, grads and optim ≈ 1/N. Shards can
 (ZeroRedundancyOptimizer partitions whole tensors greedily; FSDP2 pads dim 0), so the table
 shows the largest rank; every rank's numbers are in the JSON.
 
-The FSDP plugin (`parallel.plugins.fsdp.TorchFSDPPlugin`) is imported lazily; where it is
+The FSDP plugin (`tabfm.parallel.plugins.fsdp.TorchFSDPPlugin`) is imported lazily; where it is
 missing its rows are skipped with a note.
 """
 from __future__ import annotations
@@ -73,17 +73,17 @@ MIB = 1024 ** 2
 def fsdp_plugin_class() -> tuple[Any, str | None]:
     """(TorchFSDPPlugin, None), or (None, why it is unavailable)."""
     try:
-        from parallel.plugins.fsdp import TorchFSDPPlugin
+        from tabfm.parallel.plugins.fsdp import TorchFSDPPlugin
     except ImportError as e:
-        return None, f"parallel.plugins.fsdp.TorchFSDPPlugin not importable ({e})"
+        return None, f"tabfm.parallel.plugins.fsdp.TorchFSDPPlugin not importable ({e})"
     return TorchFSDPPlugin, None
 
 
 def make_plugin(kind: str, blocks: list[str] | None = None):
     """The plugin for `kind`, fp32. `blocks` (FSDP only): the modules to shard one by one;
     None lets the plugin read the model's `parallel_plan()`."""
-    from parallel.plugins.ddp import TorchDDPPlugin
-    from parallel.plugins.zero import LowLevelZeroPlugin
+    from tabfm.parallel.plugins.ddp import TorchDDPPlugin
+    from tabfm.parallel.plugins.zero import LowLevelZeroPlugin
 
     if kind == "ddp":
         return TorchDDPPlugin(precision="fp32")
@@ -192,7 +192,7 @@ def make_batch(tables: int, rows: int, cols: int, context: int, seed: int = 0):
     """A synthetic prediction batch (as tests and benchmarks/model_speed.py build it): Gaussian
     numeric columns, ~30 % categorical columns with 5 codes, a categorical target in the last
     column hidden for the non-context rows."""
-    from data.batch import TableBatch
+    from tabfm.data.batch import TableBatch
 
     g = torch.Generator().manual_seed(seed)
     kind = torch.where(torch.rand(tables, cols, generator=g) < 0.3, 2, 1).to(torch.int8)
@@ -212,7 +212,7 @@ def make_batch(tables: int, rows: int, cols: int, context: int, seed: int = 0):
 # ----------------------------------------------------------------------------- worker
 def measure_worker(rank: int, world_size: int, plugin_kind: str, quick: bool, batch: dict, seed: int) -> dict:
     """One rank: build, boost, one training step, count bytes. Runs inside a spawned process."""
-    from parallel import Booster
+    from tabfm.parallel import Booster
     from tabfm.model import TabFM, masked_cell_loss
 
     rss_before = current_rss()

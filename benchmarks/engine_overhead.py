@@ -6,7 +6,7 @@
 
 Launches itself: one group of `--ranks` gloo processes (`torch.multiprocessing` spawn, through
 `tests/dist_utils.run_distributed`: torchrun environment, one intra-op thread per process,
-`parallel.launch.launch`). No torchrun needed.
+`tabfm.parallel.launch.launch`). No torchrun needed.
 
 Every rank builds all variants in the same processes, each on its own copy of the same model
 (same seed, same init), its own AdamW (lr 1e-4, weight decay 0.01) and the same per-rank batch:
@@ -114,7 +114,7 @@ class PlainTransformer(nn.Module):
         return self.head(self.norm(x))
 
     def parallel_plan(self):
-        from parallel.plan import ParallelPlan
+        from tabfm.parallel.plan import ParallelPlan
 
         return ParallelPlan(blocks=[f"blocks.{i}" for i in range(len(self.blocks))], num_heads=self.blocks[0].heads)
 
@@ -190,7 +190,7 @@ def build_raw(kind: str, model: PlainTransformer, x, y) -> Variant:
 
 
 def build_booster(kind: str, model: PlainTransformer, x, y) -> Variant:
-    from parallel import Booster
+    from tabfm.parallel import Booster
 
     from engine_memory import make_plugin
 

@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from parallel import Booster  # noqa: E402
-from parallel.gemini import GeminiPlugin  # noqa: E402
+from tabfm.parallel import Booster  # noqa: E402
+from tabfm.parallel.gemini import GeminiPlugin  # noqa: E402
 
 MODES = {  # the fully offloaded placements used for the step-time comparison
     "all-device": dict(),

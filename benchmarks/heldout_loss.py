@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from synth.stream import StreamConfig
+from tabfm.synth.stream import StreamConfig
 from tabfm.train.evaluate import synthetic_eval
 from tabfm.weights import load_model
 

@@ -30,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data import encode_frame  # noqa: E402
-from data.bucketing import BucketedTableLoader, BucketedTableSampler, encoded_cols, step_balance  # noqa: E402
+from tabfm.data import encode_frame  # noqa: E402
+from tabfm.data.bucketing import BucketedTableLoader, BucketedTableSampler, encoded_cols, step_balance  # noqa: E402
 
 try:
-    from data import store  # noqa: E402
+    from tabfm.data import store  # noqa: E402
 except ImportError:  # the store lands separately; (b) needs only sizes
     store = None
 

@@ -75,7 +75,7 @@ def make_table(rows: int, cols: int, seed: int = 0):
     """One table: Gaussian numeric columns, ~25 % categorical (5 codes), categorical target in
     the last column; context rows drawn at random (CONTEXT_FRACTION); queries = the target of
     the other rows."""
-    from data.batch import TableBatch
+    from tabfm.data.batch import TableBatch
 
     g = torch.Generator().manual_seed(seed)
     kind = torch.where(torch.rand(1, cols, generator=g) < 0.25, 2, 1).to(torch.int8)
@@ -112,7 +112,7 @@ class SavedBytes:
 
 def worker(rank: int, world_size: int, rows: int, cols: int, full_step: bool, seed: int) -> dict[str, Any]:
     """One rank: boost, then a training step (or only its forward); measure."""
-    from parallel import Booster, HybridParallelPlugin
+    from tabfm.parallel import Booster, HybridParallelPlugin
     from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 
     booster = Booster(HybridParallelPlugin(sp_size=world_size))

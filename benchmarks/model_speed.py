@@ -82,7 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from data.batch import TableBatch  # noqa: E402
+from tabfm.data.batch import TableBatch  # noqa: E402
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "model_speed.json"

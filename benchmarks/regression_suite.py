@@ -34,7 +34,7 @@ import argparse
 
 import pandas as pd
 
-from eval.suites import save_dataset
+from tabfm.eval.suites import save_dataset
 
 def _sklearn_diabetes() -> pd.DataFrame:
     from sklearn.datasets import load_diabetes

@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from synth.dataset import SynthDataset, SynthLoader  # noqa: E402
-from synth.stream import StreamConfig, SynthStream  # noqa: E402
+from tabfm.synth.dataset import SynthDataset, SynthLoader  # noqa: E402
+from tabfm.synth.stream import StreamConfig, SynthStream  # noqa: E402
 
 TARGET_CELLS_PER_S_PER_CORE = 1_000_000
 

@@ -48,8 +48,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.batch import PAD, TableBatch
-from data.schema import DATETIME_PARTS, DATETIME_T, TEXT_PARTS, TEXT_T
+from tabfm.data.batch import PAD, TableBatch
+from tabfm.data.schema import DATETIME_PARTS, DATETIME_T, TEXT_PARTS, TEXT_T
 
 ROW_POLICIES = ("pad", "subsample")
 OVERSIZE_POLICIES = ("subsample", "error")
@@ -433,7 +433,7 @@ def apply_plan(plan: BatchPlan, tables: Sequence[Any]) -> TableBatch:
 
 
 def encoded_cols(header_or_kinds: Any) -> int:
-    """Columns a table will have after data.encode, from its column kinds (a store header or a list).
+    """Columns a table will have after tabfm.data.encode, from its column kinds (a store header or a list).
 
     An upper bound: datetime 6 parts (5 without times of day), text 3, the others 1; it leaves
     out the rare "<name>.inf" column of numeric columns holding infinities.

@@ -12,7 +12,7 @@ row's features come from the context rows only, and do not depend on the other q
 Targets of the features (`feature_targets`): a class target with n classes gives the indicators of
 classes 1..n-1 (n = 2: one 0/1 column), a numeric target its value; every target gets one column
 per neighbourhood size and, with `linear`, one ridge column. Distances and the ridge design are
-`data.neighbors.design` (numeric standardised on the context, categorical one-hot, missing at the
+`tabfm.data.neighbors.design` (numeric standardised on the context, categorical one-hot, missing at the
 mean), scaled by each coordinate's relevance to the target for the neighbours.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from data.neighbors import Neighbors, design, relevance
+from tabfm.data.neighbors import Neighbors, design, relevance
 
 LINEAR_FOLDS = 5  # out-of-fold ridge scores of the context rows
 RIDGE_ALPHA = 1.0  # L2 strength of the ridge on the standardised design

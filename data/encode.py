@@ -2,7 +2,7 @@
 
 `encode_frame(frame)` infers a type per source column, fits a `TableSchema` and returns the
 encoded table: `x` float32 (n_rows, n_encoded) holding numbers or integer category codes,
-NaN = missing; `kind` int8 (data.batch NUMERIC / CATEGORICAL); `cardinality` int64. The schema
+NaN = missing; `kind` int8 (tabfm.data.batch NUMERIC / CATEGORICAL); `cardinality` int64. The schema
 is reusable on new frames (`transform`), saves to JSON, and decodes encoded values back into a
 frame (`inverse_transform`).
 
@@ -31,7 +31,7 @@ Policies
 - Text -> "<name>.hash" (categorical: crc32 of the lower-cased, whitespace-collapsed string
   modulo `text_buckets`, deterministic across runs), "<name>.len" (characters) and
   "<name>.words" (whitespace-separated words).
-- Limits (EncodeConfig defaults from data.schema): max_rows 1,000,000, max_columns 1,000
+- Limits (EncodeConfig defaults from tabfm.data.schema): max_rows 1,000,000, max_columns 1,000
   source columns, max_categories 1,000 for columns that are categorical by dtype or override.
 - inverse_transform: numeric/boolean/categorical/constant are exact; datetime is rebuilt from
   the epoch part only (float32: about +-2 minutes for present-day dates); text cannot be
@@ -60,8 +60,8 @@ from pandas.api.types import (
     is_timedelta64_dtype,
 )
 
-from data.batch import TableBatch
-from data.schema import (
+from tabfm.data.batch import TableBatch
+from tabfm.data.schema import (
     BOOLEAN_T,
     CATEGORICAL_T,
     CONSTANT_T,

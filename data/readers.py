@@ -27,8 +27,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.encode import as_frame
-from data.store import TASKS, NoHeaderError, _listing, _why, read_header, read_table
+from tabfm.data.encode import as_frame
+from tabfm.data.store import TASKS, NoHeaderError, _listing, _why, read_header, read_table
 
 CSV_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -159,7 +159,7 @@ def read_csv(path: str | PathLike, encoding: str = "utf-8", sep: str | None = No
 
 # ------------------------------------------------------------------ Parquet
 def read_parquet(path: str | PathLike) -> tuple[pd.DataFrame, str | None, str | None]:
-    """A Parquet file's rows, target and task: a store table through data.store (header checked),
+    """A Parquet file's rows, target and task: a store table through tabfm.data.store (header checked),
     a plain Parquet file with target and task None."""
     path = Path(path)
     try:

@@ -3,14 +3,14 @@
 Pure, JSON-serialisable descriptions (no pandas): the limits and thresholds that
 steer type inference (`EncodeConfig`), one `ColumnSpec` per source column, and the
 `EncodedColumn`s each spec expands into. The code that fits and applies these
-specs lives in `data.encode`.
+specs lives in `tabfm.data.encode`.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.batch import CATEGORICAL, NUMERIC
 
 # ------------------------------------------------------------------ column types
 NUMERIC_T, BOOLEAN_T, CATEGORICAL_T, DATETIME_T, TEXT_T, CONSTANT_T = (
@@ -66,7 +66,7 @@ class EncodedColumn:
     name: str            # "age", "when.year", "price.inf"
     source: str          # the source column ("when")
     part: str            # "" for one-to-one columns, else the part ("year", "inf", "hash", ...)
-    kind: int            # data.batch.NUMERIC or CATEGORICAL
+    kind: int            # tabfm.data.batch.NUMERIC or CATEGORICAL
     cardinality: int     # categories (0 for numeric)
 
 

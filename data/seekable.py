@@ -1,7 +1,7 @@
 """SeekableStream: an endless stream of batches addressed by position, resumable exactly.
 
-Both batch streams of the project (the synthetic prior's `synth.stream.SynthStream` and the
-real-table `data.table_episodes.TableEpisodeSampler`) are pure functions of (seed, position):
+Both batch streams of the project (the synthetic prior's `tabfm.synth.stream.SynthStream` and the
+real-table `tabfm.data.table_episodes.TableEpisodeSampler`) are pure functions of (seed, position):
 iteration yields `batch_at(position)` and advances `position`, so a `state_dict()` taken after
 k batches resumes at batch k, and a state saved under another seed is refused.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from data.batch import TableBatch
+from tabfm.data.batch import TableBatch
 
 
 class SeekableStream:

@@ -2,7 +2,7 @@
 
 Each `NAME.parquet` carries, in its Parquet key-value metadata under `tabfm.header`, a small
 JSON header: format/version, name, n_rows, n_cols, column names, column kinds (numeric,
-categorical, boolean, datetime, text: data.encode's inference), target column (or null), task
+categorical, boolean, datetime, text: tabfm.data.encode's inference), target column (or null), task
 ("classification" | "regression" | "imputation" | null) and free-form extras (source, seed, ...).
 So a loader can list, size and bucket a whole corpus by reading footers only, and read the rows
 of a table when it needs them.
@@ -10,7 +10,7 @@ of a table when it needs them.
 Policies
 - `list_store` reads only Parquet footers, never row data. A `.parquet` file without a header
   is an error naming the file (write it with `write_table`, or read plain Parquet with
-  `data.readers.read_tables`): kinds need the data, and a store is meant to be listed cheaply.
+  `tabfm.data.readers.read_tables`): kinds need the data, and a store is meant to be listed cheaply.
   A truncated or corrupt file is an error naming the file. Hidden files (`.NAME...tmp`, the
   temporaries of unfinished writes) and other files are ignored.
 - `write_table` is atomic: the file is written to a hidden temporary in the store directory,
@@ -36,8 +36,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.encode import _natural_type, fit_column
-from data.schema import BOOLEAN_T, CATEGORICAL_T, CONSTANT_T, DATETIME_T, NUMERIC_T, TEXT_T, EncodeConfig
+from tabfm.data.encode import _natural_type, fit_column
+from tabfm.data.schema import BOOLEAN_T, CATEGORICAL_T, CONSTANT_T, DATETIME_T, NUMERIC_T, TEXT_T, EncodeConfig
 
 HEADER_KEY = b"tabfm.header"
 HEADER_FORMAT, HEADER_VERSION = "tabfm.table", 1
@@ -165,7 +165,7 @@ def _check_frame(name: str, frame: pd.DataFrame) -> None:
 
 
 def infer_kinds(frame: pd.DataFrame, config: EncodeConfig | None = None) -> tuple[str, ...]:
-    """The kind of each column, from data.encode's type inference.
+    """The kind of each column, from tabfm.data.encode's type inference.
 
     Constant and all-missing columns get the kind their values would have (a constant string
     column is categorical, an all-missing float column numeric).
@@ -255,7 +255,7 @@ def _header_from_metadata(path: Path, md: pq.FileMetaData) -> TableHeader:
     raw = (md.metadata or {}).get(HEADER_KEY)
     if raw is None:
         raise NoHeaderError(f"{path}: Parquet file without a tabfm header (key {HEADER_KEY.decode()!r}); "
-                            "write it with data.store.write_table, or read plain Parquet with data.readers.read_tables")
+                            "write it with tabfm.data.store.write_table, or read plain Parquet with tabfm.data.readers.read_tables")
     try:
         d = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

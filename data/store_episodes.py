@@ -1,17 +1,17 @@
 """Pretraining episodes from a table store: a resumable, bucketed, data-parallel stream of TableBatches.
 
-`StoreEpisodes(store, ...)` is the table-store counterpart of `synth.dataset.SynthLoader`: the
+`StoreEpisodes(store, ...)` is the table-store counterpart of `tabfm.synth.dataset.SynthLoader`: the
 Trainer iterates it for batches and saves / restores its position with `state_dict()` /
 `load_state_dict()`. Per epoch:
 
-1. Plan. The store's headers (Parquet footers only, `data.store.list_store`) give each table's
-   rows and planned width, and `data.bucketing.BucketedTableSampler` plans the epoch: batches of
+1. Plan. The store's headers (Parquet footers only, `tabfm.data.store.list_store`) give each table's
+   rows and planned width, and `tabfm.data.bucketing.BucketedTableSampler` plans the epoch: batches of
    one padded shape under `cells_per_batch` cells and `max_batch` tables, costs balanced across
    the `world_size` data-parallel ranks of a step, every table once per epoch across ranks
    (oversize tables keep a random subset of rows; the cheapest `N mod world_size` batches are
    left out of an epoch, a different set every epoch). Epochs follow one another without end.
-2. Load. Each planned table is read (`data.store.read_table`, which refuses a table replaced
-   since listing) and encoded once into a `data.table_episodes.EpisodeTable`: features, then the
+2. Load. Each planned table is read (`tabfm.data.store.read_table`, which refuses a table replaced
+   since listing) and encoded once into a `tabfm.data.table_episodes.EpisodeTable`: features, then the
    target (class codes or numbers) for a classification / regression table; all columns, no
    target, for an imputation table (task "imputation", no target, a target with fewer than 2
    known values or 2 classes, or no feature column besides it). Rows whose target is missing
@@ -20,7 +20,7 @@ Trainer iterates it for batches and saves / restores its position with `state_di
    epochs; workers are restarted every epoch and a table appears once per epoch, so with workers
    each table is read and encoded once per epoch (the cache saves nothing and costs nothing).
 3. Pose. Every table of a batch becomes one training episode through
-   `data.table_episodes.pose_episode` (the fine-tuning episode logic): with probability
+   `tabfm.data.table_episodes.pose_episode` (the fine-tuning episode logic): with probability
    `episodes.imputation` (always, for imputation tables) random observed cells are hidden,
    otherwise the target is hidden on a random share of the rows; categorical codes and classes
    are relabelled, at most `episodes.max_columns` feature columns are shown, more classes than
@@ -50,16 +50,16 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from data.batch import TableBatch
-from data.bucketing import BatchPlan, BucketedTableLoader, BucketedTableSampler, apply_plan, encoded_cols
-from data.encode import encode_frame
-from data.store import SUFFIX, TableHeader, list_store, read_table
-from data.table_episodes import (
+from tabfm.data.batch import TableBatch
+from tabfm.data.bucketing import BatchPlan, BucketedTableLoader, BucketedTableSampler, apply_plan, encoded_cols
+from tabfm.data.encode import encode_frame
+from tabfm.data.store import SUFFIX, TableHeader, list_store, read_table
+from tabfm.data.table_episodes import (
     CLASSIFICATION, IMPUTATION, PREDICTION_TASKS, EpisodeConfig, EpisodeTable, infer_task, pose_episode,
 )
 
 STATE_VERSION = 1
-_EPISODES = 7  # spawn-key domain of the episodes (data.bucketing uses 0 and 1)
+_EPISODES = 7  # spawn-key domain of the episodes (tabfm.data.bucketing uses 0 and 1)
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -67,7 +67,7 @@ _F32_MAX = float(np.finfo(np.float32).max)
 def open_store(path: str | PathLike) -> list[TableHeader]:
     """The headers of a table store (footers only); a clear error naming `path` when it is not one or is empty."""
     p = Path(path)
-    hint = (f"a table store is a directory of NAME{SUFFIX} tables written by data.store.write_table "
+    hint = (f"a table store is a directory of NAME{SUFFIX} tables written by tabfm.data.store.write_table "
             "or `tabfm synth --out DIR --tables N`")
     if not p.exists():
         raise ValueError(f"{p}: no such table store ({hint})")
@@ -103,7 +103,7 @@ def planned_width(header: TableHeader, max_columns: int) -> int:
 def encode_store_table(header: TableHeader, frame: pd.DataFrame) -> EpisodeTable:
     """Encode the rows of a store table as an EpisodeTable (see the module docstring, step 2).
 
-    The task is the header's, or inferred from the target (data.table_episodes.infer_task) when
+    The task is the header's, or inferred from the target (tabfm.data.table_episodes.infer_task) when
     the header gives a target without a task. Errors name the file."""
     try:
         with warnings.catch_warnings():

@@ -23,7 +23,7 @@ episodes with context features are wider than imputation episodes: those get pad
 Resuming needs only the next position (`state_dict`).
 
 `pose_episode` is the episode logic itself, on rows chosen by the caller: the table-store
-pretraining source (`data.store_episodes`) poses one episode per planned table with it. An
+pretraining source (`tabfm.data.store_episodes`) poses one episode per planned table with it. An
 `EpisodeTable` with task "imputation" has no target column (every column is a feature) and
 poses only imputation episodes.
 """
@@ -38,10 +38,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
-from data.context_features import ContextFeatureSpec, context_features
-from data.encode import TableSchema, encode_frame
-from data.seekable import SeekableStream
+from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.data.context_features import ContextFeatureSpec, context_features
+from tabfm.data.encode import TableSchema, encode_frame
+from tabfm.data.seekable import SeekableStream
 
 CLASSIFICATION, REGRESSION, IMPUTATION = "classification", "regression", "imputation"
 PREDICTION_TASKS = (CLASSIFICATION, REGRESSION)
@@ -98,7 +98,7 @@ class EpisodeTable:
 
     x            float32 (n, C): encoded features, then the target as the last column
                  (task "imputation": features only, no target column)
-    kind         int8 (C,): data.batch NUMERIC / CATEGORICAL per column (target included)
+    kind         int8 (C,): tabfm.data.batch NUMERIC / CATEGORICAL per column (target included)
     cardinality  int64 (C,): categories per column (classes for a classification target)
     task         "classification" | "regression" | "imputation" (a table without a target)
     rows         int64 (n,): each row's position in the source table (for audits: which rows trained)
@@ -178,7 +178,7 @@ class EpisodeConfig:
     imputation           probability that an episode is an imputation episode
     categorical          "ordinal" (categorical features shown as relabelled codes read as numbers in
                          prediction episodes, the estimators' default) or "identity" (categorical cells)
-    context_features     extra columns of prediction episodes (data.context_features; the model's
+    context_features     extra columns of prediction episodes (tabfm.data.context_features; the model's
                          ModelConfig.context_features), inserted before the target as the estimators do
     """
 

@@ -1,7 +1,7 @@
 """eval/: the measuring instrument — suites, protocols, metrics, baselines, cache, reports — for any
 sklearn-style estimator. Imports ``data/`` and third-party libraries only, never ``tabfm``.
 
-    from eval import evaluate, baseline_methods, Method, build_public, load_suite
+    from tabfm.eval import evaluate, baseline_methods, Method, build_public, load_suite
     build_public("suites")                                         # the public suites of SUITES.md
     report = evaluate("classification", "suites", {**baseline_methods("classification"),
                                                    "mine": Method(MyClassifier, version="1")},
@@ -12,10 +12,10 @@ SUITES.md preparation rules and public dataset specs), ``protocols`` (k-fold, im
 ADBench splits; the estimator contract), ``metrics``, ``baselines`` / ``imputers`` / ``detectors``
 (baseline registries), ``cache``, ``report``, ``runner``.
 """
-from eval.protocols import PROTOCOLS, get_protocol, imputation_mask
-from eval.report import Report, average_ranks, mean_ranks, wins_ties_losses
-from eval.runner import Method, baseline_methods, evaluate
-from eval.suites import TASKS, Dataset, build_public, load_dataset, load_suite, save_dataset
+from tabfm.eval.protocols import PROTOCOLS, get_protocol, imputation_mask
+from tabfm.eval.report import Report, average_ranks, mean_ranks, wins_ties_losses
+from tabfm.eval.runner import Method, baseline_methods, evaluate
+from tabfm.eval.suites import TASKS, Dataset, build_public, load_dataset, load_suite, save_dataset
 
 __all__ = [
     "evaluate", "baseline_methods", "Method", "Report",

@@ -1,5 +1,5 @@
 """Baseline methods: a registry of factories per task (name -> zero-argument callable that returns a
-fresh estimator following the contract of eval.protocols).
+fresh estimator following the contract of tabfm.eval.protocols).
 
 Shared preprocessing (documented, used by every baseline that needs numeric input):
 
@@ -162,11 +162,11 @@ def baselines(task: str, n_jobs: int = 1, names=None, warn: bool = True) -> dict
     if task in ("classification", "regression"):
         available = _supervised(task, n_jobs)
     elif task == "imputation":
-        from eval.imputers import imputer_baselines
+        from tabfm.eval.imputers import imputer_baselines
 
         available = imputer_baselines()
     else:
-        from eval.detectors import detector_baselines
+        from tabfm.eval.detectors import detector_baselines
 
         available = detector_baselines()
     wanted = BASELINE_NAMES[task] if names is None else list(names)

@@ -1,12 +1,12 @@
 """PNG plots of an evaluation run (matplotlib, Agg canvas; imported lazily here only).
 
-    from eval.plots import write_plots
+    from tabfm.eval.plots import write_plots
     paths = write_plots(report, "runs/eval/imputation/plots")   # the runner calls this itself
 
 * ``scores_<headline>.png``: the headline metric per dataset, one bar per method, grouped by
   dataset; a failed method is marked ``x`` on the axis of that dataset.
 * ``ranks_<headline>.png``: mean rank per method, horizontal bars, best (lowest) at the top;
-  failures count as the worst rank (see eval.report).
+  failures count as the worst rank (see tabfm.eval.report).
 * imputation only, ``imputation_rmse_vs_rate.png``: standardised RMSE against the missing rate,
   one panel per mechanism (MCAR / MAR / MNAR), one line per method; each point is the mean over
   datasets of the mean over seeds (per method over the datasets it completed). Needs the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.metrics import higher_is_better
+from tabfm.eval.metrics import higher_is_better
 
 MECHANISMS = ("MCAR", "MAR", "MNAR")
 _UNIT_INTERVAL = {"roc_auc", "accuracy", "auroc", "auprc", "cat_accuracy"}

@@ -16,7 +16,7 @@ Estimator contract (what each protocol calls; ``factory()`` must return a fresh,
   the input's categories) or, when the returned column is numeric, integer category codes.
 * anomaly: ``est.fit(X_train)`` on unlabelled, MinMax-scaled training rows (a float DataFrame,
   anomalies included); ``est.score_samples(X_test)`` where **higher = more anomalous**. (sklearn
-  detectors use the opposite sign; wrap them, see ``eval.baselines.Negated``.)
+  detectors use the opposite sign; wrap them, see ``tabfm.eval.baselines.Negated``.)
 
 Every protocol returns ``{"metrics": {...}, "units": [...], "seconds": float}``: ``metrics`` are
 the dataset scores (means over folds / conditions / seeds), ``units`` the per-fold details.
@@ -32,8 +32,8 @@ import pandas as pd
 from sklearn.model_selection import KFold, StratifiedKFold, train_test_split
 from sklearn.preprocessing import MinMaxScaler
 
-from eval.metrics import anomaly_metrics, classification_metrics, imputation_errors, regression_metrics
-from eval.suites import Dataset
+from tabfm.eval.metrics import anomaly_metrics, classification_metrics, imputation_errors, regression_metrics
+from tabfm.eval.suites import Dataset
 
 Factory = Callable[[], Any]
 Progress = Callable[[], None] | None
@@ -224,7 +224,7 @@ def _as_codes(values, categories: list[str]) -> np.ndarray:
         if s.isna().any():
             raise ValueError("imputer left missing values in a categorical column")
         index = {lvl: i for i, lvl in enumerate(categories)}
-        from eval.prepare import label_string
+        from tabfm.eval.prepare import label_string
 
         return np.array([index.get(label_string(v), -2) for v in s.astype(object)], dtype=np.int64)
     v = s.to_numpy(dtype=np.float64)

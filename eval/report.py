@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.metrics import RANKED_METRICS, TASK_METRICS, higher_is_better
+from tabfm.eval.metrics import RANKED_METRICS, TASK_METRICS, higher_is_better
 
 Scores = dict[str, dict[str, dict[str, float]]]
 
@@ -124,7 +124,7 @@ class Report:
     # condition, as BASELINES.md does); None = rank the per-dataset scores
     rank_scores: Scores | None = None
     # not rendered: the runner's per-dataset results ({dataset: {method: {"metrics", "units", ...}}},
-    # used by eval.plots) and the run record it writes to run.json
+    # used by tabfm.eval.plots) and the run record it writes to run.json
     results: dict | None = field(default=None, repr=False)
     run: dict = field(default_factory=dict, repr=False)
 

@@ -1,22 +1,22 @@
 """Run methods over a suite under the task's protocol, with caching, progress bars and reports.
 
-    from eval.runner import evaluate, baseline_methods
+    from tabfm.eval.runner import evaluate, baseline_methods
     report = evaluate("classification", "suites/public", {**baseline_methods("classification"),
                       "mine": Method(MyClassifier, version="v3")}, out_dir="results/cls")
 
 ``methods`` maps a name to a zero-argument factory returning a fresh estimator (see the contract
-in eval.protocols), or to a :class:`Method` carrying the factory plus a version (part of the cache
+in tabfm.eval.protocols), or to a :class:`Method` carrying the factory plus a version (part of the cache
 key: give a checkpoint hash or release number so a new model is not served stale results) and
 whether it counts as a baseline in the wins/ties/losses table.
 
 With ``out_dir`` a run writes ``results.json`` (per-fold / per-condition details and the
 failures), ``report.{md,json,csv}``, ``run.json`` (versions, protocol seeds, suite, methods,
 start time, wall time per dataset x method, cached or not, and in total) and, unless
-``plots=False``, PNG plots under ``plots/`` (see eval.plots).
+``plots=False``, PNG plots under ``plots/`` (see tabfm.eval.plots).
 
 A method that raises on a dataset does not stop the run: the exception (type, message,
 traceback) is recorded in the results, run.json and the report (``failed`` cells, worst rank on
-that dataset, see eval.report), a warning names the dataset and method, and nothing is cached
+that dataset, see tabfm.eval.report), a warning names the dataset and method, and nothing is cached
 for it, so a rerun retries it. KeyboardInterrupt (and other BaseExceptions) still stop the run.
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from eval.baselines import baseline_version, baselines
-from eval.cache import ResultCache, _clean, cache_key
-from eval.protocols import get_protocol
-from eval.report import Report
-from eval.suites import load_suite
+from tabfm.eval.baselines import baseline_version, baselines
+from tabfm.eval.cache import ResultCache, _clean, cache_key
+from tabfm.eval.protocols import get_protocol
+from tabfm.eval.report import Report
+from tabfm.eval.suites import load_suite
 
 Factory = Callable[[], Any]
 _DEFAULT = object()
@@ -60,7 +60,7 @@ def _as_method(m) -> Method:
         return m
     if callable(m):
         return Method(m, version=getattr(m, "version", None))
-    raise TypeError(f"a method must be a factory (callable) or eval.runner.Method, got {type(m).__name__}")
+    raise TypeError(f"a method must be a factory (callable) or tabfm.eval.runner.Method, got {type(m).__name__}")
 
 
 def _versions(method: Method) -> dict[str, str]:
@@ -98,8 +98,8 @@ def environment_versions() -> dict[str, str | None]:
 
 
 def protocol_seeds(task: str) -> dict[str, Any]:
-    """The splits / seeds the task's protocol uses (constants of eval.protocols)."""
-    from eval import protocols as P
+    """The splits / seeds the task's protocol uses (constants of tabfm.eval.protocols)."""
+    from tabfm.eval import protocols as P
 
     if task == "classification":
         return {"cv": "StratifiedKFold", "n_splits": P.N_FOLDS, "shuffle": True, "random_state": P.CV_SEED}
@@ -249,7 +249,7 @@ def evaluate(task: str, suite_dir, methods: Mapping[str, Factory | Method], out_
         files["results"] = str(out / "results.json")
         files["run"] = str(out / "run.json")
         if plots:
-            from eval.plots import write_plots
+            from tabfm.eval.plots import write_plots
 
             try:
                 written = write_plots(report, out / "plots")

@@ -89,7 +89,7 @@ def build_mesh(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: i
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        raise RuntimeError("build_mesh needs an initialised process group: call parallel.launch.launch() first")
+        raise RuntimeError("build_mesh needs an initialised process group: call tabfm.parallel.launch.launch() first")
     if dist.get_world_size() != world_size:
         raise ValueError(f"build_mesh(world_size={world_size}) but the process group has "
                          f"{dist.get_world_size()} ranks")

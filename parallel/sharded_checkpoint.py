@@ -1,7 +1,7 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP): each rank writes its own
 shards, nothing is pickled, and loading reshards to any world size and any layout.
 
-A sharded checkpoint keeps the directory contract of `parallel.checkpoint`:
+A sharded checkpoint keeps the directory contract of `tabfm.parallel.checkpoint`:
 
     dcp/shard-0000R-model-00001-of-00001.safetensors   rank R-1's tensors: model weights
                                      ("model/<fqn>") and optimizer state ("optim/<fqn>/<key>"),

@@ -11,7 +11,7 @@ import math
 import numbers
 from dataclasses import dataclass, fields
 
-# Names of the activations a neural node may draw (implemented in synth.mechanisms).
+# Names of the activations a neural node may draw (implemented in tabfm.synth.mechanisms).
 ACTIVATION_NAMES: tuple[str, ...] = (
     "identity", "tanh", "relu", "sigmoid", "sine", "abs", "square", "step",
     "sign", "rank", "modulo", "exp", "log_abs", "gauss", "softplus",
@@ -58,7 +58,7 @@ class PriorConfig:
     p_mar: float = 0.3  # relative weight of missing-at-random (driven by observed columns)
     p_mnar: float = 0.3  # relative weight of missing-not-at-random (driven by the cell's own value)
 
-    # --- raw DataFrame mode (synth.raw.to_frame), per column
+    # --- raw DataFrame mode (tabfm.synth.raw.to_frame), per column
     p_datetime: float = 0.1  # P(a numeric feature becomes a datetime column)
     p_text: float = 0.1  # P(a categorical feature becomes a free-text column)
     p_bool: float = 0.5  # P(a 2-category feature becomes a boolean column)

@@ -15,9 +15,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from data.batch import NUMERIC, PAD, TableBatch
-from data.context_features import ContextFeatureSpec, context_features
-from synth.table import CLASSIFICATION, REGRESSION, SynthTable
+from tabfm.data.batch import NUMERIC, PAD, TableBatch
+from tabfm.data.context_features import ContextFeatureSpec, context_features
+from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
 
 IMPUTATION = "imputation"
 TASKS = (CLASSIFICATION, REGRESSION, IMPUTATION)
@@ -69,7 +69,7 @@ def imputation_episode(table: SynthTable, rng: np.random.Generator, mask_fractio
 
 def with_context_features(table: SynthTable, episode: Episode, spec: ContextFeatureSpec,
                           rng: np.random.Generator) -> tuple[SynthTable, Episode]:
-    """A prediction episode with its context features (data.context_features) appended as numeric
+    """A prediction episode with its context features (tabfm.data.context_features) appended as numeric
     columns after the table's own; an imputation episode (no target) comes back unchanged."""
     if episode.task == IMPUTATION:
         return table, episode

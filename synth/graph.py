@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from synth.config import PriorConfig
+from tabfm.synth.config import PriorConfig
 
 
 @dataclass

@@ -5,16 +5,16 @@ some become datetime columns; categorical features become strings, pandas catego
 integer codes, booleans (2 categories) or free text (a sentence per category, usually
 with row-level filler words so the column reads as text). Missing cells are
 NaN / NaT / None / <NA> as the dtype dictates. The target is the last column, "target".
-This is the slow, pandas path that exercises data.encode end to end.
+This is the slow, pandas path that exercises tabfm.data.encode end to end.
 """
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from data.batch import CATEGORICAL
-from synth.config import PriorConfig
-from synth.table import CLASSIFICATION, SynthTable
+from tabfm.data.batch import CATEGORICAL
+from tabfm.synth.config import PriorConfig
+from tabfm.synth.table import CLASSIFICATION, SynthTable
 
 TARGET = "target"
 

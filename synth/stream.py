@@ -19,14 +19,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from data.batch import TableBatch
-from data.seekable import SeekableStream
-from synth.config import PriorConfig
-from data.context_features import ContextFeatureSpec
-from synth.episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode,
+from tabfm.data.batch import TableBatch
+from tabfm.data.seekable import SeekableStream
+from tabfm.synth.config import PriorConfig
+from tabfm.data.context_features import ContextFeatureSpec
+from tabfm.synth.episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode,
                             with_context_features)
-from synth.prior import sample_table
-from synth.table import CLASSIFICATION, REGRESSION, SynthTable
+from tabfm.synth.prior import sample_table
+from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
 
 # spawn-key domains: keep the random streams of shapes, tables, raw frames and context features apart
 _SHAPE, _TABLE, _RAW, _FEATURES = 0, 1, 2, 3
@@ -44,7 +44,7 @@ class StreamConfig:
 
     Columns count the target. Rows are rounded to multiples of `row_quantum`.
     The episode mix (classification / regression / imputation) is normalised.
-    `context_features` names a data.context_features spec ("none", "knn-linear", "knn"): prediction
+    `context_features` names a tabfm.data.context_features spec ("none", "knn-linear", "knn"): prediction
     episodes then carry those extra columns after their own, so a batch is wider than its bucket
     by the widest table's extras (up to (max_classes - 1) x 3 columns with "knn-linear"), and holds
     only as many of the bucket's tables as keep it within `cells_per_batch` padded cells.
@@ -294,7 +294,7 @@ class SynthStream(SeekableStream):
 
     def frames_at(self, position: int) -> tuple[list, BatchInfo]:
         """The same tables as `episode_at(position)`, as raw pandas DataFrames (slow path)."""
-        from synth.raw import to_frame  # pandas path, only loaded when asked for
+        from tabfm.synth.raw import to_frame  # pandas path, only loaded when asked for
 
         position = _check_index("position", position)
         b = self.bucket(position)

@@ -13,7 +13,7 @@ class SynthTable:
     """One synthetic table; the target is a column of X.
 
     X            float32 (n_rows, n_cols): numbers, categorical codes 0..k-1, NaN = missing
-    kind         int8    (n_cols,): 1 numeric, 2 categorical (data.batch constants)
+    kind         int8    (n_cols,): 1 numeric, 2 categorical (tabfm.data.batch constants)
     cardinality  int64   (n_cols,): categories per column, 0 for numeric
     target       index of the target column in X (never missing)
     task         "classification" (target categorical, 2..max_classes classes) or "regression"

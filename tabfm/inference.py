@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
-from data.context_features import ContextFeatureSpec, context_features
+from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.data.context_features import ContextFeatureSpec, context_features
 from tabfm.model import ContextCache, ModelOutput
 
 # fn(output, values) -> (N, ...) tensor for the N query cells; values = their true values (NaN = unknown)
@@ -57,7 +57,7 @@ def append_context_features(
     design: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Features with a model's context features (ModelConfig.context_features `name`, built by
-    data.context_features as in its pretraining episodes) appended as numeric columns; "none" returns
+    tabfm.data.context_features as in its pretraining episodes) appended as numeric columns; "none" returns
     them unchanged. design: the (kind, cardinality) the features' distances read when the model is
     shown other kinds (e.g. categorical codes as numbers); default: kind, cardinality."""
     spec = ContextFeatureSpec.named(name)

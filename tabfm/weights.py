@@ -1,7 +1,7 @@
 """Locating and loading TabFM weights: a shipped name ("tabfm-tiny") or an export directory.
 
 An export directory holds exactly `model.safetensors` + `config.json` (written by
-`parallel.export_model`, header from `tabfm.train.pretrain.export_config`). Shipped weights
+`tabfm.parallel.export_model`, header from `tabfm.train.pretrain.export_config`). Shipped weights
 live in `tabfm/weights/<name>/`. Loaded models are cached per process, keyed by the resolved
 directory, the weights file's size and modification time, and the device, so estimators that
 share a model share one copy and a re-exported directory is picked up.
@@ -88,7 +88,7 @@ def build_model(state_dict: dict[str, torch.Tensor], config: dict, where: str = 
 
 @lru_cache(maxsize=8)
 def _load_cached(path: str, size: int, mtime_ns: int, device: str) -> TabFM:
-    from parallel import load_exported
+    from tabfm.parallel import load_exported
 
     state_dict, config = load_exported(path)
     return build_model(state_dict, config, where=path).to(device)

@@ -4,7 +4,7 @@
 
 `worker(rank, world_size, *args)` must be a module-level (picklable) function. Each process
 gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one
-intra-op thread, and an initialised gloo process group (`parallel.launch.launch`). Tensors in
+intra-op thread, and an initialised gloo process group (`tabfm.parallel.launch.launch`). Tensors in
 the return value come back as CPU tensors (copied through numpy, no shared memory).
 
 A rank that raises makes `run_distributed` raise `DistributedError` with its traceback
@@ -63,7 +63,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    from parallel.launch import destroy, launch
+    from tabfm.parallel.launch import destroy, launch
 
     try:
         launch(backend="gloo", timeout_s=pg_timeout_s)

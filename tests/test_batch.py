@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from data.batch import CATEGORICAL, NUMERIC, PAD, TableBatch
+from tabfm.data.batch import CATEGORICAL, NUMERIC, PAD, TableBatch
 
 
 def make_batch(b: int = 2, r: int = 5, c: int = 3) -> TableBatch:

@@ -188,7 +188,7 @@ def test_cpu_attention_quick(tmp_path):
 
 def test_heldout_loss_compares_exports_on_the_same_batches(tmp_path, monkeypatch):
     """benchmarks/heldout_loss.py: one row per model and stream, equal to synthetic_eval by hand."""
-    from synth.stream import StreamConfig
+    from tabfm.synth.stream import StreamConfig
     from tabfm.train.evaluate import synthetic_eval
     from tabfm.weights import load_model
 

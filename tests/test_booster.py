@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel import Booster, MixedPrecision, ModelWrapper, Plugin, SingleProcessPlugin
+from tabfm.parallel import Booster, MixedPrecision, ModelWrapper, Plugin, SingleProcessPlugin
 
 
 def make_mlp(seed: int = 0) -> nn.Module:

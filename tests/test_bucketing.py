@@ -1,4 +1,4 @@
-"""data.bucketing: one shape per batch, every table once per epoch across ranks, balanced rank
+"""tabfm.data.bucketing: one shape per batch, every table once per epoch across ranks, balanced rank
 cost per step, determinism per (seed, epoch), exact resume (sampler and DataLoader wrapper,
 across epochs and worker counts), clear errors."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from data import encode_frame
-from data.batch import TableBatch
-from data.bucketing import (
+from tabfm.data import encode_frame
+from tabfm.data.batch import TableBatch
+from tabfm.data.bucketing import (
     BatchPlan,
     BucketedTableLoader,
     BucketedTableSampler,
@@ -300,7 +300,7 @@ def test_loader_same_batches_any_workers_and_resumes_across_worker_counts():
 
 
 def test_store_headers_as_input(tmp_path):
-    store = pytest.importorskip("data.store")
+    store = pytest.importorskip("tabfm.data.store")
     for i, f in enumerate(FRAMES[:6]):
         store.write_table(tmp_path, f"t{i}", f)
     headers = store.list_store(tmp_path)

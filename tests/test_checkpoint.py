@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import parallel.checkpoint as ckpt_mod
-from parallel import (
+import tabfm.parallel.checkpoint as ckpt_mod
+from tabfm.parallel import (
     Booster,
     SingleProcessPlugin,
     checkpoint_dir,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.batch import TableBatch
+from tabfm.data.batch import TableBatch
 from tabfm.inference import ContextPredictor, forward_eval, predict_rows, query_batch
 from tabfm.model.predict import cell_nll
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from sklearn.linear_model import Ridge
 
-from data.batch import CATEGORICAL, NUMERIC
-from data.context_features import ContextFeatureSpec, context_features, feature_targets, ridge_scores
-from data.neighbors import design
-from synth.stream import _FEATURES, StreamConfig, SynthStream, table_rng
+from tabfm.data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.context_features import ContextFeatureSpec, context_features, feature_targets, ridge_scores
+from tabfm.data.neighbors import design
+from tabfm.synth.stream import _FEATURES, StreamConfig, SynthStream, table_rng
 from tabfm.inference import append_context_features
 from tabfm.model.config import CONTEXT_FEATURES
 
@@ -170,7 +170,7 @@ def test_fine_tuning_episodes_carry_the_shared_columns_before_the_target():
     """pose_episode with the model's context features: the episode's features + context_features(...) of
     them (measured on the codes as encoded, the rng's next draws), then the target; imputation
     episodes of the same batch are padded to the width."""
-    from data.table_episodes import EpisodeConfig, EpisodeTable, TableEpisodeSampler, pose_episode
+    from tabfm.data.table_episodes import EpisodeConfig, EpisodeTable, TableEpisodeSampler, pose_episode
 
     rng = np.random.default_rng(0)
     n = 60

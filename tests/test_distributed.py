@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallel import Booster, SingleProcessPlugin
-from parallel.export import load_exported
-from parallel.launch import launch, seed_for_rank
-from parallel.mesh import build_mesh, resolve_mesh_spec
+from tabfm.parallel import Booster, SingleProcessPlugin
+from tabfm.parallel.export import load_exported
+from tabfm.parallel.launch import launch, seed_for_rank
+from tabfm.parallel.mesh import build_mesh, resolve_mesh_spec
 from tests.dist_utils import DistributedError, run_distributed
 
 WORLD = 2
@@ -55,8 +55,8 @@ def batches(loader: DataLoader, steps: int):
 
 
 def make_plugin(kind: str):
-    from parallel.plugins.ddp import TorchDDPPlugin
-    from parallel.plugins.zero import LowLevelZeroPlugin
+    from tabfm.parallel.plugins.ddp import TorchDDPPlugin
+    from tabfm.parallel.plugins.zero import LowLevelZeroPlugin
 
     return {"ddp": TorchDDPPlugin, "zero": lambda: LowLevelZeroPlugin(stage=1),
             "zero2": lambda: LowLevelZeroPlugin(stage=2)}[kind]()
@@ -164,7 +164,7 @@ def _scenario_mesh(rank):
         wrong = None
     except ValueError as e:
         wrong = str(e)
-    from parallel.plugins.zero import LowLevelZeroPlugin
+    from tabfm.parallel.plugins.zero import LowLevelZeroPlugin
 
     refused = []
     for kwargs in ({"stage": 3},):
@@ -307,7 +307,7 @@ def test_launch_without_torchrun_is_single_process(monkeypatch):
 
 
 def test_distributed_plugins_need_a_process_group():
-    from parallel.plugins.ddp import TorchDDPPlugin
+    from tabfm.parallel.plugins.ddp import TorchDDPPlugin
 
     with pytest.raises(RuntimeError, match="launch"):
         TorchDDPPlugin()

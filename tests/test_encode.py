@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
-from data.encode import EncodedTable, TableSchema, encode_frame
-from data.schema import MAX_CATEGORIES, MAX_COLUMNS, MAX_ROWS, ColumnSpec, EncodeConfig
+from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.data.encode import EncodedTable, TableSchema, encode_frame
+from tabfm.data.schema import MAX_CATEGORIES, MAX_COLUMNS, MAX_ROWS, ColumnSpec, EncodeConfig
 
 NAN = float("nan")
 

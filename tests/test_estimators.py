@@ -15,8 +15,8 @@ from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from torch import nn
 
-from data.batch import TableBatch
-from parallel import export_model
+from tabfm.data.batch import TableBatch
+from tabfm.parallel import export_model
 from tabfm import cli
 from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
 from tabfm.estimators.ensemble import subsample
@@ -261,7 +261,7 @@ def test_permutations_undone_with_stub_model():
 def test_categorical_features_reach_the_model_as_the_mode_says(mode):
     """ordinal: a categorical feature arrives as a numeric column holding the member's relabelled
     codes; identity: as a categorical column. The target stays categorical either way."""
-    from data.batch import CATEGORICAL, NUMERIC
+    from tabfm.data.batch import CATEGORICAL, NUMERIC
 
     X, y = frame(), labels()
     stub = StubModel()

@@ -13,17 +13,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from eval.cache import ResultCache, cache_key
-from eval.detectors import Negated, sklearn_iforest
-from eval.imputers import MeanModeImputer
-from eval.metrics import classification_metrics, clip_renormalise
-from eval.prepare import (PUBLIC_SPECS, check_prepared, prepare_classification, prepare_imputation, prepare_public,
+from tabfm.eval.cache import ResultCache, cache_key
+from tabfm.eval.detectors import Negated, sklearn_iforest
+from tabfm.eval.imputers import MeanModeImputer
+from tabfm.eval.metrics import classification_metrics, clip_renormalise
+from tabfm.eval.prepare import (PUBLIC_SPECS, check_prepared, prepare_classification, prepare_imputation, prepare_public,
                           public_specs)
-from eval.protocols import (apply_mask, imputation_mask, run_anomaly, run_classification, run_imputation,
+from tabfm.eval.protocols import (apply_mask, imputation_mask, run_anomaly, run_classification, run_imputation,
                             run_regression, score_imputation)
-from eval.report import Report, average_ranks, mean_ranks, wins_ties_losses
-from eval.runner import Method, evaluate
-from eval.suites import Dataset, build_public, load_dataset, load_suite, save_dataset, shared_data_dir
+from tabfm.eval.report import Report, average_ranks, mean_ranks, wins_ties_losses
+from tabfm.eval.runner import Method, evaluate
+from tabfm.eval.suites import Dataset, build_public, load_dataset, load_suite, save_dataset, shared_data_dir
 
 
 # ============================================================================ helpers
@@ -41,7 +41,7 @@ def _dataset(task: str, name: str) -> Dataset:
 def _logreg():
     from sklearn.linear_model import LogisticRegression
 
-    from eval.baselines import numeric_pipeline
+    from tabfm.eval.baselines import numeric_pipeline
 
     return numeric_pipeline(LogisticRegression())
 
@@ -168,7 +168,7 @@ def test_sklearn_tables_match_suites_md(task, name):
 def test_build_public_skips_missing_package(tmp_path, monkeypatch):
     import dataclasses
 
-    import eval.suites as suites
+    import tabfm.eval.suites as suites
 
     wine = _spec("classification", "wine")
     fake = dataclasses.replace(wine, name="fake", package="no_such_package_tabfm_xyz")
@@ -235,7 +235,7 @@ def test_classification_maps_classes_attribute():
 def test_regression_protocol():
     from sklearn.linear_model import Ridge
 
-    from eval.baselines import numeric_pipeline
+    from tabfm.eval.baselines import numeric_pipeline
 
     rng = np.random.default_rng(0)
     X = pd.DataFrame({"a": rng.normal(size=200), "b": rng.normal(size=200)})
@@ -290,7 +290,7 @@ def test_mar_drivers_never_masked():
 
 
 def _reference_mask(frame: pd.DataFrame, mech: str, rate: float, seed: int) -> np.ndarray:
-    """SUITES.md "Imputation" steps 1-4, written out independently of eval.protocols."""
+    """SUITES.md "Imputation" steps 1-4, written out independently of tabfm.eval.protocols."""
     n, p = frame.shape
     cat = [isinstance(frame[c].dtype, pd.CategoricalDtype) for c in frame.columns]
     V = np.column_stack([frame[c].cat.codes.to_numpy().astype(float) if k else frame[c].to_numpy(float)
@@ -646,7 +646,7 @@ def test_run_json_records_versions_seeds_and_timings(tmp_path):
     run = json.loads((tmp_path / "o" / "run.json").read_text())
     t = run["timings"]["toy0"]["dummy"]
     assert t["status"] == "cached" and t["cached"] is True and t["computed_seconds"] > 0
-    from eval.runner import protocol_seeds
+    from tabfm.eval.runner import protocol_seeds
 
     assert protocol_seeds("imputation")["seeds"] == [0, 1, 2] and protocol_seeds("anomaly")["random_state"] == [0, 1, 2]
 
@@ -710,7 +710,7 @@ def test_plots_classification_run(tmp_path, capsys):
 
 def test_plots_imputation_run(tmp_path):
     pytest.importorskip("matplotlib")
-    from eval.plots import rmse_by_condition
+    from tabfm.eval.plots import rmse_by_condition
 
     rng = np.random.default_rng(0)
     for i in range(2):
@@ -791,7 +791,7 @@ def test_cli_eval_and_method_selection(tmp_path, capsys):
 
 
 def test_imputer_baselines_beat_the_mean_on_correlated_data():
-    from eval.baselines import baselines
+    from tabfm.eval.baselines import baselines
 
     rng = np.random.default_rng(0)
     z = rng.normal(size=200)

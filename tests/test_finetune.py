@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.batch import CATEGORICAL, NUMERIC
-from data.table_episodes import EpisodeConfig, EpisodeTable, TableEpisodeSampler, holdout_split
-from parallel.export import export_model
+from tabfm.data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.table_episodes import EpisodeConfig, EpisodeTable, TableEpisodeSampler, holdout_split
+from tabfm.parallel.export import export_model
 from tabfm.cli import main
 from tabfm.model import ModelConfig, TabFM
 from tabfm.train.finetune import FinetuneConfig, FinetuneData, BestKeeper, finetune
@@ -191,7 +191,7 @@ def test_a_directory_of_tables_mixes_classification_and_regression(tmp_path, ran
 
 
 def test_a_table_store_supplies_target_and_task(tmp_path, random_export):
-    from data.store import write_table
+    from tabfm.data.store import write_table
 
     write_table(tmp_path / "store", "rules", structured_table(80, seed=6), target="y", task="classification")
     cfg = FinetuneConfig.preset("smoke", init=random_export, steps=2, eval_every=2, threads=1)  # no target given
@@ -245,7 +245,7 @@ def test_holdout_split_is_stratified_and_keeps_every_class_in_training():
 
 
 def test_replay_mixes_synthetic_batches_at_seeded_positions():
-    from synth.stream import StreamConfig, SynthStream
+    from tabfm.synth.stream import StreamConfig, SynthStream
 
     stream = SynthStream(StreamConfig.preset("tiny"), seed=0)
     sampler = TableEpisodeSampler([episode_table()], EpisodeConfig(min_rows=8, max_rows=16, cells_per_batch=256))
@@ -309,7 +309,7 @@ def test_cli_finetune_runs_and_resumes(tmp_path, table_csv, random_export, capsy
 
 
 def _ddp_finetune(rank: int, world: int, out: str, init: str, csv: str) -> dict:
-    from parallel.plugins.ddp import TorchDDPPlugin
+    from tabfm.parallel.plugins.ddp import TorchDDPPlugin
 
     result = finetune(smoke(init, data=csv, steps=4, eval_every=2, ckpt_every=2, patience=0), out,
                       plugin=TorchDDPPlugin(), progress=False)

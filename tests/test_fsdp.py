@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallel import Booster, MixedPrecision, ParallelPlan, SingleProcessPlugin
+from tabfm.parallel import Booster, MixedPrecision, ParallelPlan, SingleProcessPlugin
 from tests.dist_utils import run_distributed
 
 N, GLOBAL_BATCH, STEPS, ACCUM, CLIP = 32, 16, 5, 2, 1.3  # CLIP binds on some steps, not all
@@ -142,7 +142,7 @@ def single_run(dtype: str, steps: int = STEPS, resume: Path | None = None, skip:
 # --- the distributed workers ---------------------------------------------------------------
 
 def _plugin(kind: str, **kwargs):
-    from parallel import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+    from tabfm.parallel import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
     return {"fsdp": TorchFSDPPlugin, "zero2": lambda **kw: LowLevelZeroPlugin(stage=2, **kw),
             "ddp": TorchDDPPlugin}[kind](**kwargs)
@@ -405,8 +405,8 @@ def test_four_ranks_resume_a_single_process_general_checkpoint(results_4, kind):
 
 
 def test_plan_blocks_and_bad_block_names():
-    from parallel.plugins.fsdp import plan_blocks
-    from parallel.plugins.zero import _resolve_blocks
+    from tabfm.parallel.plugins.fsdp import plan_blocks
+    from tabfm.parallel.plugins.zero import _resolve_blocks
 
     assert plan_blocks(PlannedNet()) == ["blocks.0", "blocks.1"]
     assert plan_blocks(nn.Linear(2, 2)) == []
@@ -418,12 +418,12 @@ def test_plan_blocks_and_bad_block_names():
         def parallel_plan(self):
             return {"blocks": []}
 
-    with pytest.raises(TypeError, match="expected parallel.plan.ParallelPlan"):
+    with pytest.raises(TypeError, match="expected tabfm.parallel.plan.ParallelPlan"):
         plan_blocks(BadPlan())
 
 
 def test_loss_scaler_unscales_dtensor_free_grads_and_reports_local_inf():
-    from parallel.precision import DynamicLossScaler
+    from tabfm.parallel.precision import DynamicLossScaler
 
     scaler = DynamicLossScaler(scale=4.0)
     grads = [torch.full((3,), 8.0), torch.tensor([4.0, float("nan")])]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from parallel import Booster, DeviceBudgetError, GeminiPlugin, SingleProcessPlugin
-from parallel.gemini import TensorState, choose_chunk_size
+from tabfm.parallel import Booster, DeviceBudgetError, GeminiPlugin, SingleProcessPlugin
+from tabfm.parallel.gemini import TensorState, choose_chunk_size
 
 torch.set_num_threads(1)
 TOL = dict(atol=1e-6, rtol=0)

@@ -12,9 +12,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from parallel import Booster, DeviceBudgetError, GeminiPlugin
-from parallel.gemini import AutoPolicy, LRUPolicy
-from parallel.gemini.placement import belady_fetches, device_optim_chunks
+from tabfm.parallel import Booster, DeviceBudgetError, GeminiPlugin
+from tabfm.parallel.gemini import AutoPolicy, LRUPolicy
+from tabfm.parallel.gemini.placement import belady_fetches, device_optim_chunks
 from tests.test_gemini import TOL, assert_matches, make_model, make_opt, reference, train
 
 CHUNK = 2048

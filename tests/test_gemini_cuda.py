@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from parallel import Booster, GeminiPlugin
-from parallel.gemini import plugin as plugin_mod
-from parallel.gemini.tiers import DeviceTier, resolve_device
+from tabfm.parallel import Booster, GeminiPlugin
+from tabfm.parallel.gemini import plugin as plugin_mod
+from tabfm.parallel.gemini.tiers import DeviceTier, resolve_device
 from tests.test_gemini import CONFIGS, assert_matches, make_model, make_opt, reference, train
 
 CUDA = torch.cuda.is_available()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel import Booster, GeminiPlugin, SingleProcessPlugin, TorchFSDPPlugin
+from tabfm.parallel import Booster, GeminiPlugin, SingleProcessPlugin, TorchFSDPPlugin
 from tests.dist_utils import run_distributed
 from tests.test_gemini import CONFIGS, data, make_model, make_opt, reference, train
 

@@ -52,7 +52,7 @@ def probe(precision: str, keep_released_copies: bool, placement: str = "static")
     import torch
     from torch import nn
 
-    from parallel import Booster, GeminiPlugin
+    from tabfm.parallel import Booster, GeminiPlugin
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

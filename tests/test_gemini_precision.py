@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from parallel import Booster, GeminiPlugin, SingleProcessPlugin
-from parallel.precision import MixedPrecision
+from tabfm.parallel import Booster, GeminiPlugin, SingleProcessPlugin
+from tabfm.parallel.precision import MixedPrecision
 from tests.test_gemini import CONFIGS, data, make_model, make_opt, reference
 
 torch.set_num_threads(1)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel import latest_checkpoint
-from parallel.sharded_checkpoint import load_full_model_state
+from tabfm.parallel import latest_checkpoint
+from tabfm.parallel.sharded_checkpoint import load_full_model_state
 from tests.dist_utils import free_port
 from tests.test_gemini import reference
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 torch.set_num_threads(1)
-from parallel import Booster, GeminiPlugin, checkpoint_dir, latest_checkpoint, launch
+from tabfm.parallel import Booster, GeminiPlugin, checkpoint_dir, latest_checkpoint, launch
 from tests.test_gemini import CONFIGS, data, make_model, make_opt
 
 out, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from parallel.export import export_model
+from tabfm.parallel.export import export_model
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.model.growth import RESIDUAL_OUTPUTS, grow_depth, source_blocks
 from tabfm.train import PretrainConfig

@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from data.batch import TableBatch
-from parallel import Booster, ParallelPlan, SingleProcessPlugin, load_exported
-from parallel.plugins.hybrid import _check_layout
-from parallel.sequence_parallel import shard_rows
-from parallel.sharded_checkpoint import load_full_model_state
-from parallel.tensor_parallel import check_tp_layout, resolve_tp_plan
+from tabfm.data.batch import TableBatch
+from tabfm.parallel import Booster, ParallelPlan, SingleProcessPlugin, load_exported
+from tabfm.parallel.plugins.hybrid import _check_layout
+from tabfm.parallel.sequence_parallel import shard_rows
+from tabfm.parallel.sharded_checkpoint import load_full_model_state
+from tabfm.parallel.tensor_parallel import check_tp_layout, resolve_tp_plan
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tests.dist_utils import run_distributed
 
@@ -96,7 +96,7 @@ def cells(output, table_offset: int = 0, row_offset: int = 0) -> dict:
 
 def _scenario(rank, world, tp=1, sp=1, zero=0, mode="eval", steps=STEPS, accum=1, thinking=2, ckpt_root=None,
               **overrides):
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     plugin = HybridParallelPlugin(tp_size=tp, sp_size=sp, zero_stage=zero)
     booster = Booster(plugin)
@@ -149,7 +149,7 @@ def bf16_step(plugin) -> dict:
 
 
 def _bf16(rank, world, **layout):
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     return bf16_step(HybridParallelPlugin(**layout))
 
@@ -164,7 +164,7 @@ class _null:
 
 def _errors(rank, world):
     """Bad layouts, each raised before any collective (or, for rows, at the forward)."""
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     out = {}
 
@@ -456,7 +456,7 @@ class _Crash(Exception):
 def _pretrain_crash_and_resume(root: str, tp: int, sp: int) -> dict:
     """`pretrain` under HybridParallelPlugin, killed right after its step-3 checkpoint, then run
     again on the same directory (it resumes there and finishes)."""
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
     from tabfm.train import PretrainConfig
     from tabfm.train.pretrain import pretrain
     from tabfm.train.trainer import Trainer

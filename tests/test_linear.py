@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 from sklearn.linear_model import LogisticRegression, Ridge
 
-from data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.batch import CATEGORICAL, NUMERIC
 from tabfm.estimators import TabFMClassifier, TabFMRegressor
 from tabfm.estimators.linear import FOLDS, LOGISTIC_C, RIDGE_ALPHA, LinearScores
-from data.neighbors import design
+from tabfm.data.neighbors import design
 from tests.test_estimators import export_dir  # noqa: F401  (the random-weight export fixture)
 
 NAN = float("nan")
@@ -123,8 +123,8 @@ def test_concordance_and_the_showing_rule():
 def test_features_read_every_column_the_model_the_members(export_dir):
     """max_columns=2 on a 3-column table: the model gets 2 feature columns, but the neighbour shares
     come from all 3 (members differ in their columns, not in their neighbours)."""
-    from data.batch import CATEGORICAL as CAT
-    from data.neighbors import Neighbors
+    from tabfm.data.batch import CATEGORICAL as CAT
+    from tabfm.data.neighbors import Neighbors
     from tests.test_estimators import StubModel
 
     X, y = table(80)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from data.batch import TableBatch
-from parallel.plan import ParallelPlan
+from tabfm.data.batch import TableBatch
+from tabfm.parallel.plan import ParallelPlan
 from tabfm.model import BarDistribution, ModelConfig, ModelOutput, TabFM, masked_cell_loss
 from tabfm.model import predict as P
 from tabfm.model.attention import RowAttention

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 import torch
 
-from data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.batch import CATEGORICAL, NUMERIC
 from tabfm.estimators import TabFMClassifier, TabFMRegressor
 from tabfm.estimators.linear import LinearScores
-from data.neighbors import RELEVANCE_FLOOR, Neighbors, neighbor_sizes, relevance
+from tabfm.data.neighbors import RELEVANCE_FLOOR, Neighbors, neighbor_sizes, relevance
 from tabfm.inference import forward_eval, target_batch
 from tabfm.model import ModelConfig, TabFM
 from tabfm.model.predict import class_probabilities

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import Booster, SingleProcessPlugin, load_exported
-from parallel.pipeline import check_pp_layout, local_stages, merge_modules, split_stages
-from parallel.plugins.hybrid import _check_layout
-from parallel.sharded_checkpoint import load_full_model_state
+from tabfm.parallel import Booster, SingleProcessPlugin, load_exported
+from tabfm.parallel.pipeline import check_pp_layout, local_stages, merge_modules, split_stages
+from tabfm.parallel.plugins.hybrid import _check_layout
+from tabfm.parallel.sharded_checkpoint import load_full_model_state
 from tabfm.model import masked_cell_loss
 from tests.dist_utils import run_distributed
 from tests.test_hybrid import (B, CLIP, GRAD_TOL, LOSS_TOL, LR, OUT_TOL, PARAM_TOL, STEPS, R, _close, _get, cells,
@@ -80,7 +80,7 @@ def test_pipeline_layout_checks_without_processes():
 # --- the distributed scenarios -----------------------------------------------------------------
 
 def _scenario(rank, world, mode="eval", steps=STEPS, ckpt_root=None, layers=2, per_rank=1, tp=1, sp=1, zero=0):
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=M, stages_per_rank=per_rank, tp_size=tp, sp_size=sp,
                                   zero_stage=zero)
@@ -130,7 +130,7 @@ def _resume_in_pipeline(ckpt: str, steps: int) -> dict:
     """A fresh pp=2 run (replicated over whatever dp the world leaves, whatever layout saved the
     checkpoint) loads the checkpoint (each stage its part, optimizer included) and takes the
     last step again: it must land where the uninterrupted run did."""
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=M)
     booster = Booster(plugin)
@@ -152,7 +152,7 @@ SHAPES = [dict(), dict(r=12)]  # two batch signatures: the second makes the pipe
 def _accumulate_across_shapes(rank, world):
     """ZeRO-2 under pp: gradients of two execute_pipeline calls add up, although the second
     batch has a new shape (torch's shape inference clears FSDP gradients; the runner keeps them)."""
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=M, zero_stage=2)
     booster = Booster(plugin)
@@ -168,7 +168,7 @@ def _accumulate_across_shapes(rank, world):
 
 def _bf16(rank, world):
     """One bf16-autocast step (eval mode): the loss and every stage's gradients."""
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     booster = Booster(HybridParallelPlugin(pp_size=2, num_microbatches=M), precision="bf16")
     module = make_model(0)
@@ -180,7 +180,7 @@ def _bf16(rank, world):
 
 
 def _errors(rank, world):
-    from parallel import HybridParallelPlugin
+    from tabfm.parallel import HybridParallelPlugin
 
     out = {}
 

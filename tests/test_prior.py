@@ -11,15 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
-from synth.config import ACTIVATION_NAMES, PriorConfig
-from synth.graph import sample_dag
-from synth.mechanisms import ACTIVATIONS, discretize_node, run_scm, tree_node
-from synth.postprocess import MAR, MCAR, MNAR, categorize, kumaraswamy_warp, missing_mask, quantize
-from synth.prior import sample_table
-from synth.raw import TARGET, to_frame
-from synth.table import CLASSIFICATION, REGRESSION, SynthTable
-from synth.target import make_classes
+from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.synth.config import ACTIVATION_NAMES, PriorConfig
+from tabfm.synth.graph import sample_dag
+from tabfm.synth.mechanisms import ACTIVATIONS, discretize_node, run_scm, tree_node
+from tabfm.synth.postprocess import MAR, MCAR, MNAR, categorize, kumaraswamy_warp, missing_mask, quantize
+from tabfm.synth.prior import sample_table
+from tabfm.synth.raw import TARGET, to_frame
+from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
+from tabfm.synth.target import make_classes
 
 DEFAULT = PriorConfig()
 

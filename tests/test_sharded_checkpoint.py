@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import parallel.sharded_checkpoint as sc
-from parallel.checkpoint import CheckpointMeta, GeneralCheckpointIO, checkpoint_dir, latest_checkpoint, list_checkpoints
-from parallel.export import load_exported
-from parallel.sharded_checkpoint import DCP_DIR, ShardedCheckpointIO, load_full_model_state
+import tabfm.parallel.sharded_checkpoint as sc
+from tabfm.parallel.checkpoint import CheckpointMeta, GeneralCheckpointIO, checkpoint_dir, latest_checkpoint, list_checkpoints
+from tabfm.parallel.export import load_exported
+from tabfm.parallel.sharded_checkpoint import DCP_DIR, ShardedCheckpointIO, load_full_model_state
 from tests.dist_utils import run_distributed
 
 GLOBAL_BATCH, LR = 8, 1e-2
@@ -216,8 +216,8 @@ class Tied(nn.Module):
 
 
 def test_tied_weights_and_loss_scaler_round_trip(tmp_path):
-    from parallel.precision import DynamicLossScaler
-    from parallel.wrappers import OptimizerWrapper
+    from tabfm.parallel.precision import DynamicLossScaler
+    from tabfm.parallel.wrappers import OptimizerWrapper
 
     def setup(seed: int):
         torch.manual_seed(seed)

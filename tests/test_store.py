@@ -10,8 +10,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from data.readers import read_tables
-from data.store import (
+from tabfm.data.readers import read_tables
+from tabfm.data.store import (
     NoHeaderError,
     TableHeader,
     clean_temp_files,
@@ -259,7 +259,7 @@ def _files(d) -> dict[str, bytes]:
 
 
 def test_synth_out_writes_resumes_and_ignores_worker_count(tmp_path, capsys):
-    from synth.stream import StreamConfig, SynthStream
+    from tabfm.synth.stream import StreamConfig, SynthStream
     from tabfm.cli import main
     from tabfm.commands.synth import corpus_table
 

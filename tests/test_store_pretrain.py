@@ -1,4 +1,4 @@
-"""Pretraining from a table store: data.store_episodes (bucketed episode batches, exact resume over
+"""Pretraining from a table store: tabfm.data.store_episodes (bucketed episode batches, exact resume over
 epochs and worker counts, disjoint data-parallel ranks, clear errors) and `tabfm pretrain --data`
 (the loss on store tables falls, a killed run resumes to the uninterrupted result, a run is resumed
 only on the same store)."""
@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 from sklearn.datasets import load_breast_cancer, load_diabetes, load_iris, load_wine
 
-from data.batch import CATEGORICAL, NUMERIC
-from data.store import list_store, read_table, write_table
-from data.store_episodes import StoreEpisodes, encode_store_table, open_store, store_fingerprint
-from data.table_episodes import IMPUTATION, EpisodeConfig
+from tabfm.data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.store import list_store, read_table, write_table
+from tabfm.data.store_episodes import StoreEpisodes, encode_store_table, open_store, store_fingerprint
+from tabfm.data.table_episodes import IMPUTATION, EpisodeConfig
 from tabfm.cli import main
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.train import PretrainConfig

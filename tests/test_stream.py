@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
-from synth.config import PriorConfig
-from synth.dataset import SynthDataset, SynthLoader
-from synth.episodes import IMPUTATION, imputation_episode, pack, prediction_episode
-from synth.stream import BatchInfo, StreamConfig, SynthStream, bucket_at
-from synth.table import CLASSIFICATION, REGRESSION, SynthTable
+from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.synth.config import PriorConfig
+from tabfm.synth.dataset import SynthDataset, SynthLoader
+from tabfm.synth.episodes import IMPUTATION, imputation_episode, pack, prediction_episode
+from tabfm.synth.stream import BatchInfo, StreamConfig, SynthStream, bucket_at
+from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
 
 TINY = StreamConfig.preset("tiny")
 
@@ -135,7 +135,7 @@ def test_buckets(preset):
 
 def test_pretrain_mixed_draws_categorical_heavy_tables():
     """pretrain-mixed: up to every feature categorical; the default prior stops at half."""
-    from synth.prior import sample_table
+    from tabfm.synth.prior import sample_table
 
     def shares(preset: str) -> np.ndarray:
         prior, rng = StreamConfig.preset(preset).prior, np.random.default_rng(0)

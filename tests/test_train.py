@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from synth.stream import StreamConfig
+from tabfm.synth.stream import StreamConfig
 from tabfm.cli import main
 from tabfm.model import ModelConfig, TabFM
 from tabfm.train import PretrainConfig, build_optimizer, warmup_cosine

@@ -22,9 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel import latest_checkpoint
-from parallel.state_io import load_state
-from synth.stream import StreamConfig, SynthStream
+from tabfm.parallel import latest_checkpoint
+from tabfm.parallel.state_io import load_state
+from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.cli import main
 from tabfm.train import PretrainConfig
 from tabfm.train.metrics_log import read_metrics
@@ -41,9 +41,9 @@ FLAGS = ["--preset", "smoke", "--steps", str(STEPS), "--ckpt-every", str(CKPT_EV
 # weights and state files are in `.tmp-step_*` but before the manifest that completes it.
 KILL_IN_SAVE = """
 import os, signal, sys
-import parallel, parallel.checkpoint
+import tabfm.parallel, tabfm.parallel.checkpoint
 KILL_STEP = int(os.environ["TEST_KILL_STEP"])
-write_manifest = parallel.checkpoint.write_manifest
+write_manifest = tabfm.parallel.checkpoint.write_manifest
 
 def dying_write_manifest(ckpt, meta, checkpoint_io):
     if meta.step == KILL_STEP:

@@ -50,7 +50,7 @@ def _train_pair(rank: int, world: int, kind: str) -> dict:
     local-shard step; a StepLR changes both optimizers' lr after every second step."""
     from torch.distributed.fsdp import fully_shard
 
-    from parallel.plugins.zero import adam_step_on_local_shards
+    from tabfm.parallel.plugins.zero import adam_step_on_local_shards
 
     models = [copy.deepcopy(_net()) for _ in range(2)]
     for m in models:
@@ -77,8 +77,8 @@ def _train_pair(rank: int, world: int, kind: str) -> dict:
 def _booster_fp16(rank: int, world: int) -> dict:
     """LowLevelZeroPlugin(stage=2, fp16) with AdamW, clipping and a scheduler: the booster's
     local-shard step against the same run with the optimizer's own DTensor step."""
-    from parallel import Booster, LowLevelZeroPlugin
-    from parallel.plugins.zero import RingAllGather, RingReduceScatter, adam_step_on_local_shards
+    from tabfm.parallel import Booster, LowLevelZeroPlugin
+    from tabfm.parallel.plugins.zero import RingAllGather, RingReduceScatter, adam_step_on_local_shards
 
     out = {}
     for name in ("local", "dtensor"):
@@ -114,7 +114,7 @@ def _booster_fp16(rank: int, world: int) -> dict:
 def _collectives(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from parallel.plugins.zero import RingAllGather, RingReduceScatter
+    from tabfm.parallel.plugins.zero import RingAllGather, RingReduceScatter
 
     g = torch.Generator().manual_seed(rank)
     n = 5 * world
@@ -141,7 +141,7 @@ def _layout_check(rank: int, world: int) -> str:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
 
-    from parallel.plugins.zero import adam_step_on_local_shards
+    from tabfm.parallel.plugins.zero import adam_step_on_local_shards
 
     model = _net()
     fully_shard(model)
@@ -221,7 +221,7 @@ def test_ring_collectives_equal_gloo(results_2, results_3, world):
 def test_local_shard_step_on_plain_tensors_and_with_hooks():
     """Without DTensors the local step is AdamW.step itself (bitwise); with a step hook it
     defers to optimizer.step(), which runs the hook."""
-    from parallel.plugins.zero import adam_step_on_local_shards, local_shard_step_supported
+    from tabfm.parallel.plugins.zero import adam_step_on_local_shards, local_shard_step_supported
 
     a, b = _net(), _net()
     oa, ob = _make_opt(a, "adamw"), _make_opt(b, "adamw")

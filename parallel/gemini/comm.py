@@ -5,7 +5,7 @@
 every call is local, so the single-process manager runs the same code path without collectives.
 
 Backends: the group's backend decides where collective tensors must live: NCCL (chosen by
-`parallel.launch` when CUDA is available) reduces CUDA tensors only, gloo CPU tensors. `device`
+`tabfm.parallel.launch` when CUDA is available) reduces CUDA tensors only, gloo CPU tensors. `device`
 is that place; a tensor elsewhere (a host-tier shard under NCCL, a CUDA chunk under gloo) is
 staged through a temporary copy there and the result copied back, so callers never need to
 know the backend. The hot paths (fetch all-gathers, gradient reduce-scatters) already pass

@@ -33,7 +33,7 @@ buffers, device-tier masters/gradients/Adam state (stepped with torch's fused CU
 host tier in pinned CPU memory (Adam state there stepped on CPU); fetches on a side stream
 fenced by events, so `auto`'s prefetch overlaps the running module; gradient write-backs to the
 host tier on another side stream (`tiers.DeviceTier`). Collectives use the process group's
-backend (NCCL when `parallel.launch` saw CUDA). The budget keeps its meaning (bytes the manager
+backend (NCCL when `tabfm.parallel.launch` saw CUDA). The budget keeps its meaning (bytes the manager
 holds in the device tier); `memory_report()` adds torch.cuda.memory_allocated/
 max_memory_allocated as a cross-check. Feed the model inputs on `plugin.device`. Asking for
 CUDA without it is an error, never a CPU run.
@@ -98,7 +98,7 @@ class GeminiPlugin(Plugin):
 
     device               "cpu" (default): the device tier is CPU memory accounted against the budget.
                          "cuda" / "cuda:N": CUDA memory (see the module docstring); "cuda" means
-                         the current CUDA device (torchrun + parallel.launch: cuda:LOCAL_RANK).
+                         the current CUDA device (torchrun + tabfm.parallel.launch: cuda:LOCAL_RANK).
                          "auto": "cuda" when torch.cuda.is_available(), else "cpu". CUDA asked
                          for but unavailable: RuntimeError naming the torch build.
     shard_param_frac     static, several ranks: fraction of chunks (the last ones) sharded over the

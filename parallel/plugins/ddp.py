@@ -30,7 +30,7 @@ from ..wrappers import ModelWrapper, OptimizerWrapper
 
 def _require_process_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("this plugin needs an initialised process group: call parallel.launch.launch() first "
+        raise RuntimeError("this plugin needs an initialised process group: call tabfm.parallel.launch.launch() first "
                            "(under torchrun), or use SingleProcessPlugin")
 
 

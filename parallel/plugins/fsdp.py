@@ -5,7 +5,7 @@ Each block the model names in its `parallel_plan()` (or the `blocks=` given) bec
 FSDP unit, then the root takes the remaining parameters: a unit's parameters are all-gathered
 just before it runs and, with `reshard_after_forward=True`, freed again right after, so at
 most about one block is unsharded at a time. The engine never imports the model: it only
-reads the `parallel.plan.ParallelPlan` the model returns.
+reads the `tabfm.parallel.plan.ParallelPlan` the model returns.
 
 Mixed precision. Under bf16/fp16 the units get `MixedPrecisionPolicy(param_dtype=<compute
 dtype>, reduce_dtype=fp32)`: parameters are all-gathered in the compute dtype (half the
@@ -43,7 +43,7 @@ def plan_blocks(model: nn.Module) -> list[str]:
     plan = plan_fn()
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"{type(model).__name__}.parallel_plan() returned {type(plan).__name__}, "
-                        "expected parallel.plan.ParallelPlan")
+                        "expected tabfm.parallel.plan.ParallelPlan")
     return list(plan.blocks)
 
 

@@ -6,13 +6,13 @@
 
 Composition, in the torchtitan order, of what the model's `ParallelPlan` declares:
 
-    tensor parallel   DTensor `parallelize_module` over mesh["tp"] (`parallel.tensor_parallel`):
+    tensor parallel   DTensor `parallelize_module` over mesh["tp"] (`tabfm.parallel.tensor_parallel`):
                       attention heads of both attentions and the MLP width are split.
     row-sequence      each sp rank gets a contiguous slice of every table's rows; row attention
                       all-gathers K/V over mesh["sp"], row statistics are all-reduced
-                      (`parallel.sequence_parallel`); the loss is the sp group's global mean.
+                      (`tabfm.parallel.sequence_parallel`); the loss is the sp group's global mean.
     pipeline          (pp_size > 1) the model's layers are cut into pp stages, one per rank of
-                      mesh["pp"], from the plan's `pipeline` (`parallel.pipeline`); training steps
+                      mesh["pp"], from the plan's `pipeline` (`tabfm.parallel.pipeline`); training steps
                       run through `booster.execute_pipeline` (torch `Schedule1F1B` over
                       `num_microbatches` micro-batches). The other dimensions compose on each
                       rank's stage modules as torchtitan does: tensor parallel on the stage's
@@ -293,7 +293,7 @@ class HybridParallelPlugin(Plugin):
         plan = _plan_of(model, needed=True)
         if plan.pipeline is None:
             raise ValueError(f"pp_size={self.pp_size}: {type(model).__name__}.parallel_plan() declares no pipeline "
-                             "(ParallelPlan.pipeline: a parallel.plan.PipelinePlan)")
+                             "(ParallelPlan.pipeline: a tabfm.parallel.plan.PipelinePlan)")
         if self.precision.dtype == "fp16":
             raise ValueError("pp_size > 1 supports precision fp32 and bf16; fp16 loss scaling inside the pipeline "
                              "schedule is not implemented")
@@ -556,12 +556,12 @@ def _plan_of(model: nn.Module, needed: bool) -> ParallelPlan:
     if plan_fn is None:
         if needed:
             raise ValueError(f"{type(model).__name__} declares no parallel_plan(): tensor and row-sequence "
-                             "parallelism need one (parallel.ParallelPlan)")
+                             "parallelism need one (tabfm.parallel.ParallelPlan)")
         return ParallelPlan()
     plan = plan_fn()
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"{type(model).__name__}.parallel_plan() returned {type(plan).__name__}, "
-                        "expected parallel.plan.ParallelPlan")
+                        "expected tabfm.parallel.plan.ParallelPlan")
     return plan
 
 

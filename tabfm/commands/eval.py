@@ -6,7 +6,7 @@
     tabfm eval build-public DIR                                  # materialise the public suites
 
 The measuring instrument lives in ``eval/`` (which never imports ``tabfm``); this command hands it
-the methods: the task's baselines (``eval.baselines``) plus the project's own estimators from
+the methods: the task's baselines (``tabfm.eval.baselines``) plus the project's own estimators from
 :func:`tabfm_methods` (the weights named by ``--model``).
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def inference_code_hash(root: Path | None = None) -> str:
 
 def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = None,
                   tasks: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
-    """The project's own methods per task, {task: {"tabfm": eval.runner.Method}}, for weights `model`
+    """The project's own methods per task, {task: {"tabfm": tabfm.eval.runner.Method}}, for weights `model`
     and the given `tasks` (default all); `params` are passed to each task's estimator (a name it does
     not take is an error naming it; e.g. `numeric` exists for classification and regression only).
 
@@ -85,8 +85,8 @@ def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = Non
     except FileNotFoundError as err:
         warnings.warn(f"TabFM methods skipped: {err}")
         return {}
-    from eval.detectors import Negated
-    from eval.runner import Method
+    from tabfm.eval.detectors import Negated
+    from tabfm.eval.runner import Method
     from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
 
     weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]
@@ -161,8 +161,8 @@ def select_methods(task: str, spec: str, threads: int = 1, extras: dict[str, Any
     """Resolve ``--methods`` into {name: Method}: 'all', 'baselines', 'extra' or explicit names.
 
     `extras` are the project's own methods for `task` ({name: factory or Method})."""
-    from eval.baselines import BASELINE_NAMES
-    from eval.runner import Method, baseline_methods
+    from tabfm.eval.baselines import BASELINE_NAMES
+    from tabfm.eval.runner import Method, baseline_methods
 
     extras = {n: (m if isinstance(m, Method) else Method(m)) for n, m in (extras or {}).items()}
     names = _split(spec) or ["all"]
@@ -187,7 +187,7 @@ def select_methods(task: str, spec: str, threads: int = 1, extras: dict[str, Any
 
 
 def _suite_dir(task: str, suite: str) -> Path:
-    from eval.suites import PUBLIC_TASKS, build_public, default_public_dir
+    from tabfm.eval.suites import PUBLIC_TASKS, build_public, default_public_dir
 
     if suite == "public":
         if task not in PUBLIC_TASKS:
@@ -205,7 +205,7 @@ def _suite_dir(task: str, suite: str) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "eval_action", None) == "build-public":
-        from eval.suites import build_public
+        from tabfm.eval.suites import build_public
 
         tasks = _split(args.tasks)
         written = build_public(args.dir, tasks=tasks)
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.task:
         raise ValueError("--task is required (classification, regression, imputation or anomaly)")
-    from eval.runner import evaluate
+    from tabfm.eval.runner import evaluate
 
     extras = tabfm_methods(args.model, parse_params(args.tabfm_params), (args.task,)).get(args.task, {}) \
         if args.methods != "baselines" else {}

@@ -87,7 +87,7 @@ def _train(cfg: "FinetuneConfig", out: str, progress: bool) -> tuple[bool, "Fine
     """Fine-tune in this process (one rank under torchrun); return (main process?, result).
 
     As `tabfm pretrain`: the process group is destroyed only after every object holding it is gone."""
-    from parallel.launch import barrier, destroy
+    from tabfm.parallel.launch import barrier, destroy
     from tabfm.train.finetune import finetune
     from tabfm.train.pretrain import build_plugin
 

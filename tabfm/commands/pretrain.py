@@ -10,7 +10,7 @@ Each data-parallel rank trains on its own batches of the stream's cells_per_batc
 global batch is N times the single-process one; logged cells/s are global, losses rank averages.
 With --plugin hybrid the tp x sp ranks of a group split each table (heads and MLP width over tp,
 rows over sp) and see the same batches: only world / (tp x sp) ranks are data parallel.
-With --data STORE (a directory written by `tabfm synth --out` or data.store.write_table) batches
+With --data STORE (a directory written by `tabfm synth --out` or tabfm.data.store.write_table) batches
 are episodes posed on the store's tables, bucketed by size, each rank its own tables, epoch after
 epoch; the held-out synthetic evaluation still measures the prior.
 """
@@ -37,7 +37,7 @@ _FIELDS = {
     "n_layers": int, "context_features": str,
 }
 _HELP = {
-    "data": "train on a table store directory (tabfm synth --out, data.store.write_table) instead of the "
+    "data": "train on a table store directory (tabfm synth --out, tabfm.data.store.write_table) instead of the "
             "synthetic stream",
     "data_cells_per_batch": "with --data: padded cells per batch and rank (default: the stream preset's)",
     "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
@@ -46,7 +46,7 @@ _HELP = {
     "muon_lr": "--optimizer muon: learning rate of the blocks' hidden matrices (Muon, RMS-matched to AdamW)",
     "context_features": "extra columns every prediction episode carries, recorded in the model's config so the "
                         "estimators show the same: none (default), knn-linear (neighbour target means at "
-                        "k = 5, 20 + an out-of-fold ridge score; data.context_features), knn",
+                        "k = 5, 20 + an out-of-fold ridge score; tabfm.data.context_features), knn",
     "n_layers": "blocks of the model (default: the preset's); with --init from a model with fewer blocks, "
                 "its blocks are repeated, the repeats starting as identity (a deeper model that starts "
                 "as the trained one)",
@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         if name in _HELP:
             kwargs["help"] = _HELP[name]
         if name == "stream":
-            from synth.stream import StreamConfig  # the preset names, one source
+            from tabfm.synth.stream import StreamConfig  # the preset names, one source
 
             kwargs["help"] = f"StreamConfig preset of the synthetic stream: {', '.join(StreamConfig.PRESETS)}"
         p.add_argument(flag, dest=name, type=typ, default=None, **kwargs)
@@ -122,8 +122,8 @@ def _train(cfg: PretrainConfig, out: str, progress: bool) -> tuple[bool, "TrainR
     The process group is torn down only after every object holding it (DDP's reducer, ...) is
     gone: gloo joins its worker threads in the group's destructor while holding the GIL, and a
     reducer that outlives destroy() can deadlock the process at exit."""
-    from parallel.gemini import DeviceBudgetError
-    from parallel.launch import barrier, destroy
+    from tabfm.parallel.gemini import DeviceBudgetError
+    from tabfm.parallel.launch import barrier, destroy
     from tabfm.train.pretrain import build_plugin, pretrain  # heavy imports only when the command runs
 
     plugin = build_plugin(cfg)

@@ -4,7 +4,7 @@ Without --out: a first look at what the model trains on (sizes and shape buckets
 mix, classes, missing and categorical rates, and how fast the prior runs).
 
 With --out DIR --tables N: a pre-generated corpus of N raw tables (DataFrames with datetimes,
-text, strings, booleans; synth.raw) written to the table store DIR (data.store), one
+text, strings, booleans; tabfm.synth.raw) written to the table store DIR (tabfm.data.store), one
 `synth-00000000.parquet` ... per table with a header naming its target and task. Table i is
 table 0 of stream position i in raw mode (`SynthStream(cfg, seed).frames_at(i)[0][0]`), a pure
 function of (config, seed, i), so the corpus does not depend on --workers. Reruns resume: a table
@@ -32,7 +32,7 @@ CORPUS_SOURCE = "tabfm synth"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from synth.stream import StreamConfig  # the preset names, one source
+    from tabfm.synth.stream import StreamConfig  # the preset names, one source
 
     p = subparsers.add_parser(
         "synth",
@@ -71,7 +71,7 @@ def _range(text: str, flag: str) -> tuple[int, int]:
 
 def build_config(args: argparse.Namespace):
     """The StreamConfig the flags describe: preset, then overrides, sizes made to fit each other."""
-    from synth.stream import StreamConfig
+    from tabfm.synth.stream import StreamConfig
 
     cfg = StreamConfig.preset(args.preset)
     changes: dict[str, Any] = {}
@@ -122,7 +122,7 @@ class Summary:
         self.seconds = 0.0
 
     def add_batch(self, batch, info) -> None:
-        from data.batch import CATEGORICAL
+        from tabfm.data.batch import CATEGORICAL
 
         b, r, c = batch.shape
         valid = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
@@ -240,7 +240,7 @@ def run_summary(args: argparse.Namespace) -> int:
     """Generate --batches batches of the stream and print (and optionally save) the summary."""
     from tqdm import tqdm
 
-    from synth.dataset import SynthDataset, SynthLoader
+    from tabfm.synth.dataset import SynthDataset, SynthLoader
 
     args.batches = DEFAULT_BATCHES if args.batches is None else args.batches
     if args.batches < 1:
@@ -289,10 +289,10 @@ def corpus_table(cfg: Any, seed: int, index: int) -> tuple[Any, str | None, str,
     `SynthStream(cfg, seed).frames_at(index)[0][0]`, without generating the rest of that batch.
     Imputation episodes have no target column (target None, task "imputation").
     """
-    from synth.episodes import IMPUTATION
-    from synth.raw import TARGET, to_frame
-    from synth.stream import _RAW, SynthStream, table_rng
-    from synth.table import CLASSIFICATION
+    from tabfm.synth.episodes import IMPUTATION
+    from tabfm.synth.raw import TARGET, to_frame
+    from tabfm.synth.stream import _RAW, SynthStream, table_rng
+    from tabfm.synth.table import CLASSIFICATION
 
     table, episode = SynthStream(cfg, seed=seed).table(index, 0)
     frame = to_frame(table, table_rng(seed, index, 0, 0, _RAW), cfg.prior)
@@ -303,7 +303,7 @@ def corpus_table(cfg: Any, seed: int, index: int) -> tuple[Any, str | None, str,
 
 def _write_corpus_table(job: tuple) -> dict[str, Any]:
     """Generate and write one corpus table (runs in a worker process); returns its stats."""
-    from data.store import write_table
+    from tabfm.data.store import write_table
 
     cfg, seed, out, index, fingerprint = job
     frame, target, task, n_classes = corpus_table(cfg, seed, index)
@@ -314,7 +314,7 @@ def _write_corpus_table(job: tuple) -> dict[str, Any]:
 
 def _complete_table(out: Path, index: int, seed: int, fingerprint: str) -> dict[str, Any] | None:
     """Stats of corpus table `index` when its file is complete and from this corpus; None to (re)generate."""
-    from data.store import SUFFIX, read_header
+    from tabfm.data.store import SUFFIX, read_header
 
     path = out / f"{table_name(index)}{SUFFIX}"
     if not path.exists():
@@ -348,8 +348,8 @@ def run_corpus(args: argparse.Namespace) -> int:
     """Write (or complete) a corpus of --tables raw synthetic tables into the store --out."""
     from tqdm import tqdm
 
-    from data.store import clean_temp_files
-    from synth.stream import SynthStream
+    from tabfm.data.store import clean_temp_files
+    from tabfm.synth.stream import SynthStream
 
     _check_corpus_args(args)
     cfg = build_config(args)

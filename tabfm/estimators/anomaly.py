@@ -32,8 +32,8 @@ from sklearn.base import OutlierMixin
 from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
-from data.batch import CATEGORICAL, NUMERIC
-from data.schema import CONSTANT_T, DATETIME_T
+from tabfm.data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.schema import CONSTANT_T, DATETIME_T
 from tabfm.inference import ContextPredictor
 from tabfm.model import ModelOutput
 from tabfm.model.predict import cell_nll

@@ -20,14 +20,14 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted, column_or_1d
 from torch import nn
 
-from data.batch import CATEGORICAL, NUMERIC
-from data.encode import TableSchema, encode_frame
+from tabfm.data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.encode import TableSchema, encode_frame
 from tabfm.inference import CellFn, ContextPredictor, append_context_features, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
 from .linear import LinearScores, worth_showing
-from data.neighbors import Neighbors, neighbor_sizes
+from tabfm.data.neighbors import Neighbors, neighbor_sizes
 
 DEFAULT_N_ESTIMATORS = 4
 DEFAULT_MAX_CONTEXT_ROWS = 2048
@@ -291,7 +291,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
     n_neighbors  neighbourhood sizes (default (5, 20); an int k is (k,); 0 = off): show the model,
                  as extra feature columns (on top of max_columns), the target's mean over each
                  row's k nearest context rows for each k (classification: the share of the class;
-                 leave-one-out on the context rows; see data.neighbors). With the
+                 leave-one-out on the context rows; see tabfm.data.neighbors). With the
                  shipped weights the largest gain measured (README, BENCHMARKS.md).
     linear_features  show the model, as one more extra feature column per target, the score of a
                  linear model of the target fitted on the context rows (logistic regression for a
@@ -352,7 +352,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
 
         feature_targets (n_context, m): the view's neighbour means (m per neighbourhood size) and
         linear scores (those worth showing, at most m) of these targets are shown as extra numeric
-        feature columns (see data.neighbors and tabfm.estimators.linear).
+        feature columns (see tabfm.data.neighbors and tabfm.estimators.linear).
         """
         context_x, query_x, kind, cardinality = view.ctx, view.query, view.kind, view.card
         if rt.context_features != "none":  # exactly the columns its pretraining episodes carried

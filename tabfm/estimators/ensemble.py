@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.special import ndtri
 
-from data.batch import CATEGORICAL
+from tabfm.data.batch import CATEGORICAL
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import torch
 from sklearn.base import TransformerMixin
 from sklearn.utils.validation import check_is_fitted
 
-from data.batch import CATEGORICAL
-from data.schema import BOOLEAN_T, CATEGORICAL_T, DATETIME_T, NUMERIC_T, ColumnSpec
+from tabfm.data.batch import CATEGORICAL
+from tabfm.data.schema import BOOLEAN_T, CATEGORICAL_T, DATETIME_T, NUMERIC_T, ColumnSpec
 from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities, numeric_mean
 

@@ -2,7 +2,7 @@
 shown as extra columns.
 
 A row's linear feature is the score of a linear model of the target on the feature columns given
-(the estimators give every column), on the design of data.neighbors (numeric
+(the estimators give every column), on the design of tabfm.data.neighbors (numeric
 standardised on the context, categorical one-hot, missing at the mean): the logit of a logistic
 regression for a 0/1 target (one class against the rest), the prediction of a ridge regression
 otherwise. Context rows get out-of-fold scores (k-fold
@@ -29,7 +29,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.metrics import roc_auc_score
 
-from data.neighbors import design
+from tabfm.data.neighbors import design
 
 FOLDS = 5  # out-of-fold scores of the context rows: k-fold over them
 LOGISTIC_C = 1.0  # inverse L2 strength of the logistic regression (0/1 targets)

@@ -19,7 +19,7 @@ from typing import Any
 
 
 CODE_IDS = ("fixed", "per_column")
-CONTEXT_FEATURES = ("none", "knn-linear", "knn")  # data.context_features.ContextFeatureSpec.NAMES (a test keeps them equal)
+CONTEXT_FEATURES = ("none", "knn-linear", "knn")  # tabfm.data.context_features.ContextFeatureSpec.NAMES (a test keeps them equal)
 FIXED_CODE_SEED = 0x5EED  # the seed of the shared code identities when code_ids == "fixed"
 
 
@@ -44,7 +44,7 @@ class ModelConfig:
     norm_eps                RMSNorm epsilon.
     activation_checkpointing  recompute each block in backward (torch.utils.checkpoint).
     context_features        what the model reads beyond a table's own columns: the name of a
-                            data.context_features spec ("none", "knn-linear", "knn") whose extra
+                            tabfm.data.context_features spec ("none", "knn-linear", "knn") whose extra
                             columns every prediction episode of its pretraining carried. Not
                             architecture (the weights do not depend on it) but part of the input
                             contract: the estimators build the same columns for such a model.

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
 
 from .config import FIXED_CODE_SEED, ModelConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
 
 from .transformer import ModelOutput
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from data.batch import TableBatch
-from parallel.plan import PipelinePlan
+from tabfm.data.batch import TableBatch
+from tabfm.parallel.plan import PipelinePlan
 
 from .encoder import ColumnFacts
 from .transformer import ModelOutput, TabFM, _attention_masks, _keys_first

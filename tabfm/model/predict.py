@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from data.batch import CATEGORICAL, NUMERIC
+from tabfm.data.batch import CATEGORICAL, NUMERIC
 
 from .transformer import ModelOutput
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from data.batch import TableBatch
-from parallel.plan import ParallelPlan
+from tabfm.data.batch import TableBatch
+from tabfm.parallel.plan import ParallelPlan
 
 from .attention import KVCache
 from .block import TableBlock

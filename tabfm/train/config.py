@@ -26,13 +26,13 @@ class PretrainConfig:
                    (tabfm.model.growth): the deeper model starts as the trained function
     stream         StreamConfig preset name of the synthetic stream (with `data`: of the held-out
                    synthetic evaluation only)
-    data           a table store directory (data.store.write_table, `tabfm synth --out`): when set,
-                   training batches are episodes posed on its tables (data.store_episodes) instead
+    data           a table store directory (tabfm.data.store.write_table, `tabfm synth --out`): when set,
+                   training batches are episodes posed on its tables (tabfm.data.store_episodes) instead
                    of the synthetic stream; held-out synthetic evaluation still measures the prior
     data_cells_per_batch, data_max_batch
                    with `data`: padded cells and tables per batch (per data-parallel rank and
                    micro-batch); None takes the stream preset's cells_per_batch / max_batch
-    context_features  extra columns every prediction episode carries (data.context_features:
+    context_features  extra columns every prediction episode carries (tabfm.data.context_features:
                    "none", "knn-linear" = neighbour means at k = 5, 20 + a ridge score, "knn"); they
                    are recorded in the model's config, so the estimators show the model the same
     steps          optimizer steps of the whole run (also the length of the cosine schedule)

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from data import encode_frame
-from synth.stream import StreamConfig, SynthStream
+from tabfm.data import encode_frame
+from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.inference import forward_eval, target_batch
 from tabfm.model import masked_cell_loss
 from tabfm.model.predict import class_probabilities

@@ -2,9 +2,9 @@
 
 `finetune(cfg, out_dir)` starts from exported weights (the shipped "tabfm-tiny" by default, or
 any export), reads the tables `cfg.data` names (a CSV, a Parquet file, a directory or a table
-store: anything `data.readers.read_tables` accepts), holds out a share of each table's rows
+store: anything `tabfm.data.readers.read_tables` accepts), holds out a share of each table's rows
 (stratified by class for classification), and trains on episodes cut from the remaining rows
-(`data.table_episodes`): random context / query splits predicting the target, and random cell
+(`tabfm.data.table_episodes`): random context / query splits predicting the target, and random cell
 masking (imputation). Optionally a share of the batches replays the synthetic prior stream to
 limit forgetting.
 
@@ -36,14 +36,14 @@ import pandas as pd
 import torch
 from torch import nn
 
-from data.readers import read_tables
-from data.table_episodes import (
+from tabfm.data.readers import read_tables
+from tabfm.data.table_episodes import (
     CATEGORICAL_MODES, CLASSIFICATION, PREDICTION_TASKS, EpisodeConfig, EpisodeTable,
     TableEpisodeSampler, holdout_split, infer_task,
 )
-from parallel import Booster, Plugin, latest_checkpoint
-from parallel.launch import barrier, seed_for_rank
-from synth.stream import StreamConfig, SynthStream
+from tabfm.parallel import Booster, Plugin, latest_checkpoint
+from tabfm.parallel.launch import barrier, seed_for_rank
+from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.train.config import PLUGINS, PRECISIONS, resolve_precision
 from tabfm.train.optim import OPTIMIZERS, build_optimizer, warmup_cosine
@@ -70,7 +70,7 @@ class FinetuneConfig:
     holdout        share of each table's rows held out for evaluation (stratified for classification);
                    they never enter a training episode
     replay         share of batches drawn from the synthetic prior stream `replay_stream` (limits forgetting)
-    min_rows .. categorical   episode shapes and mix (see data.table_episodes.EpisodeConfig)
+    min_rows .. categorical   episode shapes and mix (see tabfm.data.table_episodes.EpisodeConfig)
     eval_every     steps between held-out evaluations; patience: evaluations without an improvement of
                    more than min_delta before stopping (0: never stop early)
     eval_estimators, eval_rows, eval_context_rows   the evaluation's ensemble size, held-out rows scored per
@@ -548,7 +548,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     write out_dir/finetune_summary.json and return the result.
 
     `data` overrides `cfg.data` (a path, DataFrame, {name: DataFrame} or list: whatever
-    `data.readers.read_tables` reads). `plugin` defaults to `build_plugin(cfg)`. Under torchrun
+    `tabfm.data.readers.read_tables` reads). `plugin` defaults to `build_plugin(cfg)`. Under torchrun
     call this on every rank."""
     start = time.perf_counter()
     out = Path(out_dir)

@@ -7,7 +7,7 @@ main process (rank 0) writes train_config.json, logs and metrics. Checkpoints an
 are written collectively by the plugin's checkpoint IO.
 
 With `PretrainConfig.data` (`--data STORE`) the batches come from a table store instead
-(`data.store_episodes.StoreEpisodes`: bucketed batches of store tables, one episode per table,
+(`tabfm.data.store_episodes.StoreEpisodes`: bucketed batches of store tables, one episode per table,
 each data-parallel rank its own tables, epochs one after another). train_config.json then also
 records the store (`data_store`: resolved path, header fingerprint, tables), and a run is
 resumed only on the same store. The held-out synthetic evaluation is kept: it measures the
@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, load_exported
-from parallel.checkpoint import MANIFEST, read_manifest
-from parallel.export import export_model
-from parallel.launch import barrier, launch, seed_for_rank
-from data.store_episodes import StoreEpisodes, open_store, store_fingerprint
-from data.table_episodes import EpisodeConfig
-from synth.dataset import SynthDataset, SynthLoader
-from synth.stream import StreamConfig
+from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, load_exported
+from tabfm.parallel.checkpoint import MANIFEST, read_manifest
+from tabfm.parallel.export import export_model
+from tabfm.parallel.launch import barrier, launch, seed_for_rank
+from tabfm.data.store_episodes import StoreEpisodes, open_store, store_fingerprint
+from tabfm.data.table_episodes import EpisodeConfig
+from tabfm.synth.dataset import SynthDataset, SynthLoader
+from tabfm.synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.model.growth import group_cells, grow_depth
 from tabfm.train.config import PretrainConfig, resolve_precision, run_model_config
@@ -52,11 +52,11 @@ def export_config(model_cfg: ModelConfig, train_cfg: PretrainConfig | dict[str, 
 
 def build_plugin(cfg: PretrainConfig) -> Plugin:
     """The plugin `cfg.plugin` names. Distributed plugins first join the process group that
-    torchrun describes (`parallel.launch`: gloo on CPU, NCCL on CUDA); the caller owns it and
-    calls `parallel.destroy()` at the end."""
+    torchrun describes (`tabfm.parallel.launch`: gloo on CPU, NCCL on CUDA); the caller owns it and
+    calls `tabfm.parallel.destroy()` at the end."""
     world = os.environ.get("WORLD_SIZE")
     if cfg.plugin == "gemini":  # one process, or its chunks sharded over the ranks torchrun starts
-        from parallel.gemini import GeminiPlugin
+        from tabfm.parallel.gemini import GeminiPlugin
 
         if world is not None:
             launch()
@@ -72,18 +72,18 @@ def build_plugin(cfg: PretrainConfig) -> Plugin:
                          "(or --plugin single for one process)")
     launch()
     if cfg.plugin == "ddp":
-        from parallel.plugins.ddp import TorchDDPPlugin
+        from tabfm.parallel.plugins.ddp import TorchDDPPlugin
 
         return TorchDDPPlugin(device=cfg.device)
     if cfg.plugin == "zero":
-        from parallel.plugins.zero import LowLevelZeroPlugin
+        from tabfm.parallel.plugins.zero import LowLevelZeroPlugin
 
         return LowLevelZeroPlugin(stage=cfg.zero_stage, device=cfg.device)
     if cfg.plugin == "hybrid":
-        from parallel.plugins.hybrid import HybridParallelPlugin
+        from tabfm.parallel.plugins.hybrid import HybridParallelPlugin
 
         return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, device=cfg.device)
-    from parallel.plugins.fsdp import TorchFSDPPlugin
+    from tabfm.parallel.plugins.fsdp import TorchFSDPPlugin
 
     return TorchFSDPPlugin(device=cfg.device)
 
@@ -263,7 +263,7 @@ def store_data(cfg: PretrainConfig, headers: Any, rank: int, world_size: int, ma
     """The training data of `cfg.data`: episode batches of the store's tables for data-parallel rank `rank`.
 
     Batches hold at most data_cells_per_batch padded cells and data_max_batch tables (default: the
-    stream preset's cells_per_batch / max_batch); episodes follow data.table_episodes.EpisodeConfig's
+    stream preset's cells_per_batch / max_batch); episodes follow tabfm.data.table_episodes.EpisodeConfig's
     defaults (20 % imputation, ordinal categorical features) with the model's head width as max_classes."""
     stream_cfg = StreamConfig.preset(cfg.stream)
     cells = cfg.data_cells_per_batch if cfg.data_cells_per_batch is not None else stream_cfg.cells_per_batch
@@ -292,7 +292,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def checkpoint_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """Full model weights of a checkpoint ("general" or "sharded") in one process, whatever world size wrote it."""
-    from parallel.sharded_checkpoint import load_full_model_state
+    from tabfm.parallel.sharded_checkpoint import load_full_model_state
 
     return load_full_model_state(ckpt)
 

@@ -1,4 +1,4 @@
-"""Trainer: the one step loop, written against parallel.Booster so any plugin drops in.
+"""Trainer: the one step loop, written against tabfm.parallel.Booster so any plugin drops in.
 
 It owns accumulation, clipping, the schedule, logging, periodic evaluation, atomic
 checkpoints that resume exactly (model, optimizer, scheduler, data position, RNG) and
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from parallel import Booster, checkpoint_dir, latest_checkpoint
+from tabfm.parallel import Booster, checkpoint_dir, latest_checkpoint
 from tabfm.train.metrics_log import MetricsLog
 
 Evaluator = Callable[[nn.Module], dict[str, float]]
