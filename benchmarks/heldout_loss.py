@@ -2,8 +2,11 @@
 
 The same fixed held-out batches (the pretraining evaluation's: seed + HELD_OUT_SEED_OFFSET) for
 every model, so weights trained on different streams or with other depths compare on equal
-terms. Prints a table (loss, categorical NLL and accuracy, numeric NLL per model and stream)
-and writes JSON.
+terms. Each model reads the tables with its own context features (ModelConfig.context_features,
+what its pretraining showed it): the batches of a stream with context features hold fewer tables
+(their cell budget), so every model is scored on exactly those tables and query cells, models
+without features on the same tables without the extra columns. Prints a table (loss,
+categorical NLL and accuracy, numeric NLL per model and stream) and writes JSON.
 
     python benchmarks/heldout_loss.py --models tabfm-tiny,runs/x/export --streams pretrain-wide,pretrain-mixed
 """
@@ -17,10 +20,18 @@ from pathlib import Path
 import torch
 
 from tabfm.synth.stream import StreamConfig
-from tabfm.train.evaluate import synthetic_eval
+from tabfm.train.evaluate import batch_metrics, heldout_batches
 from tabfm.weights import load_model
 
 from common import machine_info
+
+
+def paired_batches(stream: str, contracts: list[str], seed: int, n: int) -> dict[str, list]:
+    """Held-out batches of `stream` for each context-feature contract, over the same tables: those of
+    the batches with features (the fewest tables per batch) for every contract."""
+    built = {c: heldout_batches(StreamConfig.preset(stream, context_features=c), seed, n) for c in contracts}
+    fewest = [min(len(built[c][i]) for c in contracts) for i in range(n)]
+    return {c: [b[:k] for b, k in zip(built[c], fewest)] for c in contracts}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,15 +45,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     models, streams = args.models.split(","), args.streams.split(",")
-    evals = {s: synthetic_eval(StreamConfig.preset(s), args.seed, args.batches) for s in streams}
+    loaded = {name: load_model(name).eval() for name in models}
+    contracts = sorted({m.config.context_features for m in loaded.values()})
+    batches = {s: paired_batches(s, contracts, args.seed, args.batches) for s in streams}
     rows = []
-    for name in models:
-        model = load_model(name).eval()
+    for name, model in loaded.items():
         params = sum(p.numel() for p in model.parameters())
-        for stream, run in evals.items():
+        for stream, by_contract in batches.items():
             t0 = time.process_time()
-            with torch.no_grad():
-                metrics = run(model)
+            metrics = batch_metrics(model, by_contract[model.config.context_features])
             rows.append({"model": name, "layers": model.config.n_layers, "parameters": params, "stream": stream,
                          **metrics, "cpu_s": time.process_time() - t0})
     print(f"\nheld-out masked-cell metrics, {args.batches} batches per stream, fp32\n")

@@ -38,6 +38,15 @@ SLACK = 512 << 10  # bytes; measured - accounted was -64 KiB (fp32) and +80 KiB 
 D, LAYERS, BATCH = 1024, 6, 4
 
 
+def torch_gemm_temporary(precision: str) -> int:
+    """Bytes torch itself allocates for a moment in the measured step beyond what any budget can see:
+    on CPUs without AVX512-BF16 (e.g. an AVX2 EPYC) the backward of a bf16 Linear computes the
+    weight gradient through a full fp32 temporary (measured: +4.1 MB for a 1024 x 1024 layer,
+    bf16 weight and input alone, no chunk manager); CPUs with it, and fp32, need none."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return D * D * 4 if precision == "bf16" and "avx512_bf16" not in flags else 0
+
+
 def _status(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -108,7 +117,7 @@ def test_device_accounting_matches_process_memory(precision):
     r = run_probe(precision)
     assert r["peak"] <= r["budget"]
     assert r["accounted"] >= 2 * r["fetch_bytes"]  # the step really moved chunks through the budget
-    assert abs(r["measured"] - r["accounted"]) <= SLACK, r
+    assert abs(r["measured"] - torch_gemm_temporary(precision) - r["accounted"]) <= SLACK, r
 
 
 @pytest.mark.slow
@@ -126,7 +135,8 @@ def test_auto_placement_with_device_optimizer_state_matches_process_memory():
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
 def test_cross_check_catches_copies_the_accounting_misses():
     r = run_probe("bf16", keep_released_copies=True)
-    assert r["measured"] - r["accounted"] > SLACK + r["fetch_bytes"], r  # several released copies still alive
+    extra = r["measured"] - torch_gemm_temporary("bf16") - r["accounted"]
+    assert extra > SLACK + r["fetch_bytes"], r  # several released copies still alive
 
 
 if __name__ == "__main__":

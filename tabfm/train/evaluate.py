@@ -16,25 +16,32 @@ from tabfm.model.predict import class_probabilities
 HELD_OUT_SEED_OFFSET = 1_000_003  # held-out synthetic tables come from a seed training never uses
 
 
+def heldout_batches(cfg: StreamConfig, seed: int, n_batches: int) -> list:
+    """The fixed held-out synthetic batches of a run with `seed` (a seed its training never uses)."""
+    stream = SynthStream(cfg, seed=seed + HELD_OUT_SEED_OFFSET)
+    return [stream.batch_at(p) for p in range(n_batches)]
+
+
+@torch.no_grad()
+def batch_metrics(model: nn.Module, batches: list) -> dict[str, float]:
+    """Masked-cell metrics of `model` over `batches`, each averaged over the cells it applies to."""
+    device = next(model.parameters()).device
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for batch in batches:
+        _, metrics = masked_cell_loss(model(batch.to(device)), batch.to(device))
+        for key, weight_key in (("loss", "cells"), ("cat_nll", "cat_cells"), ("num_nll", "num_cells"), ("cat_acc", "cat_cells")):
+            w = metrics[weight_key]
+            if w > 0:
+                sums[key] = sums.get(key, 0.0) + metrics[key] * w
+                weights[key] = weights.get(key, 0.0) + w
+    return {k: sums[k] / weights[k] for k in sums}
+
+
 def synthetic_eval(cfg: StreamConfig, seed: int, n_batches: int) -> Callable[[nn.Module], dict[str, float]]:
     """Mean masked-cell metrics on a fixed set of held-out synthetic batches."""
-    stream = SynthStream(cfg, seed=seed + HELD_OUT_SEED_OFFSET)
-    batches = [stream.batch_at(p) for p in range(n_batches)]
-
-    def run(model: nn.Module) -> dict[str, float]:
-        device = next(model.parameters()).device
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        for batch in batches:
-            _, metrics = masked_cell_loss(model(batch.to(device)), batch.to(device))
-            for key, weight_key in (("loss", "cells"), ("cat_nll", "cat_cells"), ("num_nll", "num_cells"), ("cat_acc", "cat_cells")):
-                w = metrics[weight_key]
-                if w > 0:
-                    sums[key] = sums.get(key, 0.0) + metrics[key] * w
-                    weights[key] = weights.get(key, 0.0) + w
-        return {k: sums[k] / weights[k] for k in sums}
-
-    return run
+    batches = heldout_batches(cfg, seed, n_batches)
+    return lambda model: batch_metrics(model, batches)
 
 
 SKLEARN_DATASETS = ("breast_cancer", "wine", "iris")
