@@ -45,11 +45,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     models, streams = args.models.split(","), args.streams.split(",")
-    loaded = {name: load_model(name).eval() for name in models}
-    contracts = sorted({m.config.context_features for m in loaded.values()})
+    loaded = [(name, load_model(name).eval()) for name in models]
+    contracts = sorted({m.config.context_features for _, m in loaded})
     batches = {s: paired_batches(s, contracts, args.seed, args.batches) for s in streams}
     rows = []
-    for name, model in loaded.items():
+    for name, model in loaded:
         params = sum(p.numel() for p in model.parameters())
         for stream, by_contract in batches.items():
             t0 = time.process_time()

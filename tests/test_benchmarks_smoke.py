@@ -203,3 +203,8 @@ def test_heldout_loss_compares_exports_on_the_same_batches(tmp_path, monkeypatch
     with torch.no_grad():
         want = synthetic_eval(StreamConfig.preset("tiny"), 0, 2)(load_model("tabfm-tiny").eval())
     assert math.isclose(rows[0]["loss"], want["loss"], rel_tol=1e-6)
+    # models with and without context features are scored on the same tables and query cells
+    pairs = module.paired_batches("tiny", ["knn-linear", "none"], 0, 3)
+    for plain, wide in zip(pairs["none"], pairs["knn-linear"]):
+        assert len(plain) == len(wide) and wide.shape[2] >= plain.shape[2]
+        assert torch.equal(plain.query.sum((1, 2)), wide.query.sum((1, 2)))
