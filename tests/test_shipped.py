@@ -38,3 +38,18 @@ def test_default_regressor_beats_the_mean():
     r2 = TabFMRegressor(random_state=0).fit(X_tr, y_tr).score(X_te, y_te)
     assert r2 > 0.3, r2  # measured 0.435 (stage 4, quantile features, ridge residual, neighbour and linear
     # features; 0.436 before the residual with raw features; 0.414 without linear, 0.281 without either)
+
+
+# tabfm-tiny-cf (pretrained with context features), the model alone: one n-way pass, the inputs of its
+# pretraining; measured 0.954, 0.960, 0.966
+CF_FLOORS = {"breast_cancer": 0.92, "iris": 0.92, "wine": 0.92}
+
+
+@pytest.mark.parametrize("name", sorted(CF_FLOORS))
+def test_context_feature_model_alone_beats_the_floor(name):
+    X, y = getattr(datasets, f"load_{name}")(return_X_y=True, as_frame=True)
+    X_tr, X_te, y_tr, y_te = train_test_split(X, y, train_size=0.5, stratify=y, random_state=0)
+    clf = TabFMClassifier(model="tabfm-tiny-cf", multiclass="native", random_state=0).fit(X_tr, y_tr)
+    assert clf._runtime().context_features == "knn-linear"
+    accuracy = float((clf.predict(X_te) == y_te.to_numpy()).mean())
+    assert accuracy >= CF_FLOORS[name], (name, accuracy)
