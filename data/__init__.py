@@ -1,9 +1,9 @@
 """Real tables and the one tensor contract: TableBatch, encoding, stores, loading."""
-from tabfm.data.batch import CATEGORICAL, NUMERIC, PAD, TableBatch
-from tabfm.data.encode import EncodedTable, TableSchema, encode_frame
-from tabfm.data.readers import SourceTable, read_tables
-from tabfm.data.schema import ColumnSpec, EncodeConfig, EncodedColumn
-from tabfm.data.store import TableHeader, list_store, read_header, read_table, write_table
+from .batch import CATEGORICAL, NUMERIC, PAD, TableBatch
+from .encode import EncodedTable, TableSchema, encode_frame
+from .readers import SourceTable, read_tables
+from .schema import ColumnSpec, EncodeConfig, EncodedColumn
+from .store import TableHeader, list_store, read_header, read_table, write_table
 
 __all__ = [
     "TableBatch", "PAD", "NUMERIC", "CATEGORICAL",

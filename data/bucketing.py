@@ -48,8 +48,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from tabfm.data.batch import PAD, TableBatch
-from tabfm.data.schema import DATETIME_PARTS, DATETIME_T, TEXT_PARTS, TEXT_T
+from .batch import PAD, TableBatch
+from .schema import DATETIME_PARTS, DATETIME_T, TEXT_PARTS, TEXT_T
 
 ROW_POLICIES = ("pad", "subsample")
 OVERSIZE_POLICIES = ("subsample", "error")

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from tabfm.data.neighbors import Neighbors, design, relevance
+from .neighbors import Neighbors, design, relevance
 
 LINEAR_FOLDS = 5  # out-of-fold ridge scores of the context rows
 RIDGE_ALPHA = 1.0  # L2 strength of the ridge on the standardised design

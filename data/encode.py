@@ -60,8 +60,8 @@ from pandas.api.types import (
     is_timedelta64_dtype,
 )
 
-from tabfm.data.batch import TableBatch
-from tabfm.data.schema import (
+from .batch import TableBatch
+from .schema import (
     BOOLEAN_T,
     CATEGORICAL_T,
     CONSTANT_T,

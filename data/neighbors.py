@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tabfm.data.batch import CATEGORICAL
+from .batch import CATEGORICAL
 
 QUERY_CHUNK = 1024  # query rows per distance block: bounds memory at QUERY_CHUNK x context rows
 RELEVANCE_FLOOR = 0.1  # added to every coordinate's relevance (which lies in [0, 1])

@@ -27,8 +27,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tabfm.data.encode import as_frame
-from tabfm.data.store import TASKS, NoHeaderError, _listing, _why, read_header, read_table
+from .encode import as_frame
+from .store import TASKS, NoHeaderError, _listing, _why, read_header, read_table
 
 CSV_SUFFIXES = {".csv": ",", ".tsv": "\t"}
 PARQUET_SUFFIXES = (".parquet", ".pq")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from tabfm.data.batch import CATEGORICAL, NUMERIC
+from .batch import CATEGORICAL, NUMERIC
 
 # ------------------------------------------------------------------ column types
 NUMERIC_T, BOOLEAN_T, CATEGORICAL_T, DATETIME_T, TEXT_T, CONSTANT_T = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from tabfm.data.batch import TableBatch
+from .batch import TableBatch
 
 
 class SeekableStream:

@@ -36,8 +36,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tabfm.data.encode import _natural_type, fit_column
-from tabfm.data.schema import BOOLEAN_T, CATEGORICAL_T, CONSTANT_T, DATETIME_T, NUMERIC_T, TEXT_T, EncodeConfig
+from .encode import _natural_type, fit_column
+from .schema import BOOLEAN_T, CATEGORICAL_T, CONSTANT_T, DATETIME_T, NUMERIC_T, TEXT_T, EncodeConfig
 
 HEADER_KEY = b"tabfm.header"
 HEADER_FORMAT, HEADER_VERSION = "tabfm.table", 1

@@ -50,11 +50,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pandas as pd
 
-from tabfm.data.batch import TableBatch
-from tabfm.data.bucketing import BatchPlan, BucketedTableLoader, BucketedTableSampler, apply_plan, encoded_cols
-from tabfm.data.encode import encode_frame
-from tabfm.data.store import SUFFIX, TableHeader, list_store, read_table
-from tabfm.data.table_episodes import (
+from .batch import TableBatch
+from .bucketing import BatchPlan, BucketedTableLoader, BucketedTableSampler, apply_plan, encoded_cols
+from .encode import encode_frame
+from .store import SUFFIX, TableHeader, list_store, read_table
+from .table_episodes import (
     CLASSIFICATION, IMPUTATION, PREDICTION_TASKS, EpisodeConfig, EpisodeTable, infer_task, pose_episode,
 )
 

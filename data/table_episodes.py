@@ -38,10 +38,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
-from tabfm.data.context_features import ContextFeatureSpec, context_features
-from tabfm.data.encode import TableSchema, encode_frame
-from tabfm.data.seekable import SeekableStream
+from .batch import CATEGORICAL, NUMERIC, TableBatch
+from .context_features import ContextFeatureSpec, context_features
+from .encode import TableSchema, encode_frame
+from .seekable import SeekableStream
 
 CLASSIFICATION, REGRESSION, IMPUTATION = "classification", "regression", "imputation"
 PREDICTION_TASKS = (CLASSIFICATION, REGRESSION)

@@ -12,10 +12,10 @@ SUITES.md preparation rules and public dataset specs), ``protocols`` (k-fold, im
 ADBench splits; the estimator contract), ``metrics``, ``baselines`` / ``imputers`` / ``detectors``
 (baseline registries), ``cache``, ``report``, ``runner``.
 """
-from tabfm.eval.protocols import PROTOCOLS, get_protocol, imputation_mask
-from tabfm.eval.report import Report, average_ranks, mean_ranks, wins_ties_losses
-from tabfm.eval.runner import Method, baseline_methods, evaluate
-from tabfm.eval.suites import TASKS, Dataset, build_public, load_dataset, load_suite, save_dataset
+from .protocols import PROTOCOLS, get_protocol, imputation_mask
+from .report import Report, average_ranks, mean_ranks, wins_ties_losses
+from .runner import Method, baseline_methods, evaluate
+from .suites import TASKS, Dataset, build_public, load_dataset, load_suite, save_dataset
 
 __all__ = [
     "evaluate", "baseline_methods", "Method", "Report",

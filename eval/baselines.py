@@ -162,11 +162,11 @@ def baselines(task: str, n_jobs: int = 1, names=None, warn: bool = True) -> dict
     if task in ("classification", "regression"):
         available = _supervised(task, n_jobs)
     elif task == "imputation":
-        from tabfm.eval.imputers import imputer_baselines
+        from .imputers import imputer_baselines
 
         available = imputer_baselines()
     else:
-        from tabfm.eval.detectors import detector_baselines
+        from .detectors import detector_baselines
 
         available = detector_baselines()
     wanted = BASELINE_NAMES[task] if names is None else list(names)

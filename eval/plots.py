@@ -1,6 +1,6 @@
 """PNG plots of an evaluation run (matplotlib, Agg canvas; imported lazily here only).
 
-    from tabfm.eval.plots import write_plots
+    from .plots import write_plots
     paths = write_plots(report, "runs/eval/imputation/plots")   # the runner calls this itself
 
 * ``scores_<headline>.png``: the headline metric per dataset, one bar per method, grouped by
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tabfm.eval.metrics import higher_is_better
+from .metrics import higher_is_better
 
 MECHANISMS = ("MCAR", "MAR", "MNAR")
 _UNIT_INTERVAL = {"roc_auc", "accuracy", "auroc", "auprc", "cat_accuracy"}

@@ -286,7 +286,7 @@ def prepare_public(spec: PublicSpec, shared_data=None) -> pd.DataFrame:
     if spec.task == _A:
         from pathlib import Path
 
-        from tabfm.eval.suites import shared_data_dir
+        from .suites import shared_data_dir
 
         path = Path(shared_data or shared_data_dir()) / "adbench" / spec.npz
         if not path.exists():

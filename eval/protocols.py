@@ -32,8 +32,8 @@ import pandas as pd
 from sklearn.model_selection import KFold, StratifiedKFold, train_test_split
 from sklearn.preprocessing import MinMaxScaler
 
-from tabfm.eval.metrics import anomaly_metrics, classification_metrics, imputation_errors, regression_metrics
-from tabfm.eval.suites import Dataset
+from .metrics import anomaly_metrics, classification_metrics, imputation_errors, regression_metrics
+from .suites import Dataset
 
 Factory = Callable[[], Any]
 Progress = Callable[[], None] | None
@@ -224,7 +224,7 @@ def _as_codes(values, categories: list[str]) -> np.ndarray:
         if s.isna().any():
             raise ValueError("imputer left missing values in a categorical column")
         index = {lvl: i for i, lvl in enumerate(categories)}
-        from tabfm.eval.prepare import label_string
+        from .prepare import label_string
 
         return np.array([index.get(label_string(v), -2) for v in s.astype(object)], dtype=np.int64)
     v = s.to_numpy(dtype=np.float64)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tabfm.eval.metrics import RANKED_METRICS, TASK_METRICS, higher_is_better
+from .metrics import RANKED_METRICS, TASK_METRICS, higher_is_better
 
 Scores = dict[str, dict[str, dict[str, float]]]
 

@@ -1,6 +1,6 @@
 """Run methods over a suite under the task's protocol, with caching, progress bars and reports.
 
-    from tabfm.eval.runner import evaluate, baseline_methods
+    from .runner import evaluate, baseline_methods
     report = evaluate("classification", "suites/public", {**baseline_methods("classification"),
                       "mine": Method(MyClassifier, version="v3")}, out_dir="results/cls")
 
@@ -32,11 +32,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from tabfm.eval.baselines import baseline_version, baselines
-from tabfm.eval.cache import ResultCache, _clean, cache_key
-from tabfm.eval.protocols import get_protocol
-from tabfm.eval.report import Report
-from tabfm.eval.suites import load_suite
+from .baselines import baseline_version, baselines
+from .cache import ResultCache, _clean, cache_key
+from .protocols import get_protocol
+from .report import Report
+from .suites import load_suite
 
 Factory = Callable[[], Any]
 _DEFAULT = object()
@@ -99,7 +99,7 @@ def environment_versions() -> dict[str, str | None]:
 
 def protocol_seeds(task: str) -> dict[str, Any]:
     """The splits / seeds the task's protocol uses (constants of tabfm.eval.protocols)."""
-    from tabfm.eval import protocols as P
+    from . import protocols as P
 
     if task == "classification":
         return {"cv": "StratifiedKFold", "n_splits": P.N_FOLDS, "shuffle": True, "random_state": P.CV_SEED}
@@ -249,7 +249,7 @@ def evaluate(task: str, suite_dir, methods: Mapping[str, Factory | Method], out_
         files["results"] = str(out / "results.json")
         files["run"] = str(out / "run.json")
         if plots:
-            from tabfm.eval.plots import write_plots
+            from .plots import write_plots
 
             try:
                 written = write_plots(report, out / "plots")

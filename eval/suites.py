@@ -27,7 +27,7 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from tabfm.eval.prepare import apply_column_types, check_prepared, public_specs, prepare_public, table_stats, to_categorical
+from .prepare import apply_column_types, check_prepared, public_specs, prepare_public, table_stats, to_categorical
 
 TASKS = ("classification", "regression", "imputation", "anomaly")
 PUBLIC_TASKS = ("classification", "imputation", "anomaly")

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from tabfm.synth.stream import StreamConfig, SynthStream
+from .stream import StreamConfig, SynthStream
 
 MODES = ("batch", "episode", "frames")
 

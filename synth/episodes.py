@@ -17,7 +17,7 @@ import torch
 
 from tabfm.data.batch import NUMERIC, PAD, TableBatch
 from tabfm.data.context_features import ContextFeatureSpec, context_features
-from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
+from .table import CLASSIFICATION, REGRESSION, SynthTable
 
 IMPUTATION = "imputation"
 TASKS = (CLASSIFICATION, REGRESSION, IMPUTATION)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tabfm.synth.config import PriorConfig
+from .config import PriorConfig
 
 
 @dataclass

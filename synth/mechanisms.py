@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from tabfm.synth.config import PriorConfig
-from tabfm.synth.graph import Dag
+from .config import PriorConfig
+from .graph import Dag
 
 ROOT, MLP, TREE, DISCRETE = 0, 1, 2, 3
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tabfm.synth.config import PriorConfig
+from .config import PriorConfig
 
 MCAR, MAR, MNAR = "mcar", "mar", "mnar"
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from tabfm.data.batch import CATEGORICAL, NUMERIC
-from tabfm.synth.config import PriorConfig
-from tabfm.synth.graph import Dag, sample_dag
-from tabfm.synth.mechanisms import DISCRETE, run_scm
-from tabfm.synth.postprocess import categorize, compact_codes, kumaraswamy_warp, missing_mask, quantize
-from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
-from tabfm.synth.target import make_classes
+from .config import PriorConfig
+from .graph import Dag, sample_dag
+from .mechanisms import DISCRETE, run_scm
+from .postprocess import categorize, compact_codes, kumaraswamy_warp, missing_mask, quantize
+from .table import CLASSIFICATION, REGRESSION, SynthTable
+from .target import make_classes
 
 
 def _choose_nodes(rng: np.random.Generator, dag: Dag, n_features: int) -> tuple[int, np.ndarray]:

@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from tabfm.data.batch import CATEGORICAL
-from tabfm.synth.config import PriorConfig
-from tabfm.synth.table import CLASSIFICATION, SynthTable
+from .config import PriorConfig
+from .table import CLASSIFICATION, SynthTable
 
 TARGET = "target"
 

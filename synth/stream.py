@@ -21,12 +21,12 @@ import numpy as np
 
 from tabfm.data.batch import TableBatch
 from tabfm.data.seekable import SeekableStream
-from tabfm.synth.config import PriorConfig
+from .config import PriorConfig
 from tabfm.data.context_features import ContextFeatureSpec
-from tabfm.synth.episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode,
+from .episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode,
                             with_context_features)
-from tabfm.synth.prior import sample_table
-from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
+from .prior import sample_table
+from .table import CLASSIFICATION, REGRESSION, SynthTable
 
 # spawn-key domains: keep the random streams of shapes, tables, raw frames and context features apart
 _SHAPE, _TABLE, _RAW, _FEATURES = 0, 1, 2, 3
@@ -294,7 +294,7 @@ class SynthStream(SeekableStream):
 
     def frames_at(self, position: int) -> tuple[list, BatchInfo]:
         """The same tables as `episode_at(position)`, as raw pandas DataFrames (slow path)."""
-        from tabfm.synth.raw import to_frame  # pandas path, only loaded when asked for
+        from .raw import to_frame  # pandas path, only loaded when asked for
 
         position = _check_index("position", position)
         b = self.bucket(position)
