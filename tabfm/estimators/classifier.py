@@ -26,6 +26,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
+from tabfm.data.context_features import feature_targets
 from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities
 from tabfm.weights import DEFAULT_MODEL
@@ -41,11 +42,6 @@ def _probs_fn(n_classes: int):
     def fn(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
         return class_probabilities(output)[:, :n_classes]
     return fn
-
-
-def _one_hot_rest(y: np.ndarray, n: int) -> np.ndarray:
-    """(len(y), n - 1) indicators of classes 1..n-1: the neighbour targets of an n-way task."""
-    return (y[:, None] == np.arange(1, n)[None, :]).astype(np.float64)
 
 
 class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
@@ -134,7 +130,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         """(n_query, n) probabilities of codes 0..n-1 given context labels y, grouping when n > K."""
         k = rt.max_categories
         if n <= k:
-            return self._predict_target(rt, view, y, n, _probs_fn(n), feature_targets=_one_hot_rest(y, n))
+            return self._predict_target(rt, view, y, n, _probs_fn(n), feature_targets=feature_targets(y, n))
         n_groups = math.ceil(n / k)
         group = np.arange(n) * n_groups // n  # contiguous, balanced: sizes <= ceil(n / n_groups) <= K
         top = self._class_tree(rt, view, group[y], n_groups)
