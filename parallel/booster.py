@@ -89,15 +89,18 @@ class Booster:
         """Autocast for compute outside the boosted model (the model's forward already uses it)."""
         return self.plugin.autocast()
 
-    def evaluation(self, model: ModelWrapper) -> ContextManager[nn.Module]:
+    @contextlib.contextmanager
+    def evaluation(self, model: ModelWrapper) -> Iterator[nn.Module]:
         """A context giving the user's module to call on whole batches for evaluation (every rank
-        must enter it together when the plugin's forward is collective). Plugins that cut the
-        model's inputs (row-sequence parallel) suspend the cut meanwhile; for the others it is
-        simply `model.unwrap()`."""
+        must enter it together when the plugin's forward is collective), under the precision's
+        autocast as in training (sharded plugins hold compute-dtype parameters). Plugins that cut
+        the model's inputs (row-sequence parallel) suspend the cut meanwhile; for the others the
+        module is simply `model.unwrap()`."""
         hook = getattr(self.plugin, "evaluation", None)
-        if hook is not None:
-            return hook(model)
-        return contextlib.nullcontext(model.unwrap() if hasattr(model, "unwrap") else model)
+        inner = hook(model) if hook is not None else contextlib.nullcontext(
+            model.unwrap() if hasattr(model, "unwrap") else model)
+        with inner as module, self.plugin.autocast():
+            yield module
 
     def execute_pipeline(self, data_iter: Iterator[Any], model: ModelWrapper, criterion: Callable,
                          optimizer: OptimizerWrapper | None = None, return_loss: bool = True,

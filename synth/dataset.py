@@ -26,6 +26,11 @@ class SynthDataset(IterableDataset):
 
     mode: "batch" yields TableBatch; "episode" yields (TableBatch, BatchInfo);
     "frames" yields (list of raw DataFrames, BatchInfo).
+
+    micro_batches = A > 1 (gradient accumulation): each position is one optimizer step and yields a
+    list of A items, micro-batch a of rank r being the stream's sub-rank a * world_size + r of
+    A * world_size. So a step's tables depend only on the global batch, not on how it is split:
+    W ranks x A micro-batches draw exactly what one process with W * A micro-batches draws.
     """
 
     def __init__(
@@ -37,15 +42,19 @@ class SynthDataset(IterableDataset):
         start: int = 0,
         num_batches: int | None = None,
         mode: str = "batch",
+        micro_batches: int = 1,
     ):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"SynthDataset mode must be one of {MODES}, got {mode!r}")
         if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0):
             raise ValueError(f"num_batches must be None or an integer >= 0, got {num_batches!r}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         # building the stream validates cfg, seed, rank, world_size and start here, not in a worker
         stream = SynthStream(cfg, seed=seed, rank=rank, world_size=world_size, position=start)
         self.cfg, self.seed, self.rank, self.world_size = stream.cfg, seed, rank, world_size
+        self.micro_batches = micro_batches
         self.start = start
         self.stop = None if num_batches is None else start + num_batches
         self.mode = mode
@@ -64,14 +73,18 @@ class SynthDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, n = (0, 1) if info is None else (info.id, info.num_workers)
-        stream = SynthStream(self.cfg, seed=self.seed, rank=self.rank, world_size=self.world_size)
+        a, w = self.micro_batches, self.world_size
+        streams = [SynthStream(self.cfg, seed=self.seed, rank=i * w + self.rank, world_size=a * w) for i in range(a)]
         for p in self.positions(worker, n):
-            if self.mode == "batch":
-                yield stream.batch_at(p)
-            elif self.mode == "episode":
-                yield stream.episode_at(p)
-            else:
-                yield stream.frames_at(p)
+            items = [self._item(stream, p) for stream in streams]
+            yield items[0] if a == 1 else items
+
+    def _item(self, stream: SynthStream, p: int) -> Any:
+        if self.mode == "batch":
+            return stream.batch_at(p)
+        if self.mode == "episode":
+            return stream.episode_at(p)
+        return stream.frames_at(p)
 
     def state_dict(self, consumed: int = 0) -> dict[str, int]:
         """State after `consumed` batches of this dataset were used: resume from start + consumed."""
@@ -85,7 +98,8 @@ class SynthDataset(IterableDataset):
 
 
 class SynthLoader:
-    """A DataLoader over a SynthDataset that knows how many batches it has handed out.
+    """A DataLoader over a SynthDataset that knows how many positions it has handed out
+(with micro_batches = A, it yields A batches per position, one by one).
 
     Iterating again continues where the last iteration stopped; `state_dict()` /
     `load_state_dict()` save and restore that point. Keyword arguments go to the
@@ -113,8 +127,11 @@ class SynthLoader:
         # drawing its worker base seed from the global torch RNG, which a resumed run restores
         kwargs = {"generator": torch.Generator().manual_seed(self.dataset.seed), **self.loader_kwargs}
         for item in DataLoader(ds, batch_size=None, **kwargs):
-            self.position += 1
-            yield item
+            group = item if self.dataset.micro_batches > 1 else [item]
+            for i, micro in enumerate(group):
+                if i == len(group) - 1:
+                    self.position += 1  # a position is consumed with its last micro-batch
+                yield micro
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.dataset.seed, "position": self.position}

@@ -1,7 +1,6 @@
 """`tabfm pretrain --plugin gemini`: the pretraining run under a Gemini device budget equals the
 same run with `--plugin single` (loss trajectory and final weights), resumes from its own
-checkpoints, runs under torchrun (2 ranks, against the 2-rank DDP run), and its flag errors name
-the flag.
+checkpoints, and its flag errors name the flag (under torchrun: tests/test_pretrain_matrix.py).
 
 The reference is SingleProcessPlugin (plain torch AdamW on whole tensors); Gemini steps chunked
 fp32 masters in the tier the placement chose, so agreement is to float rounding (measured:
@@ -10,8 +9,6 @@ bitwise on these runs; tolerance 1e-6).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ from tabfm.cli import main
 from tabfm.train import PretrainConfig
 from tabfm.train.metrics_log import read_metrics
 from tabfm.train.pretrain import build_plugin, pretrain
-from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -129,26 +125,3 @@ def test_gemini_flags_need_the_gemini_plugin(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):  # argparse names the flag and its choices
         main(["pretrain", "--plugin", "gemini", "--gemini-placement", "fastest"])
     assert "--gemini-placement" in capsys.readouterr().err
-
-
-def torchrun(out: Path, *plugin: str) -> subprocess.CompletedProcess:
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "tabfm.cli", "pretrain", *FLAGS, "--steps", "3", *plugin, "--out", str(out)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-
-
-@pytest.mark.slow
-def test_gemini_under_torchrun_equals_ddp(tmp_path):
-    """2 ranks, every chunk sharded over them (auto placement under a budget) == 2-rank DDP."""
-    runs = {}
-    for name, plugin in {"ddp": ["--plugin", "ddp"], "gemini": GEMINI}.items():
-        proc = torchrun(tmp_path / name, *plugin)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[name] = tmp_path / name
-    got, want = losses(runs["gemini"]), losses(runs["ddp"])
-    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3]
-    torch.testing.assert_close(torch.tensor([l for _, l in got]), torch.tensor([l for _, l in want]), atol=2e-6, rtol=0)
-    a, b = (load_file(runs[n] / "export" / "model.safetensors") for n in ("gemini", "ddp"))
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=2e-6, rtol=0, msg=k)

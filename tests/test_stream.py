@@ -77,6 +77,27 @@ def test_rank_tables_do_not_depend_on_num_workers():
         assert all(same(x, y) for x, y in zip(want, got)), f"num_workers={workers} changed the stream"
 
 
+def test_micro_batches_depend_on_the_global_batch_not_its_split():
+    """2 ranks x 2 accumulation micro-batches draw, step by step, what 1 process x 4 draws; with
+    workers too, and a loader that stopped mid-step resumes at that step's first micro-batch."""
+    one = list(SynthLoader(SynthDataset(TINY, seed=3, micro_batches=4, num_batches=3)))
+    assert len(one) == 12
+    assert same(one[0], SynthStream(TINY, seed=3, rank=0, world_size=4).batch_at(0))
+    for rank in (0, 1):
+        loader = SynthLoader(SynthDataset(TINY, seed=3, rank=rank, world_size=2, micro_batches=2, num_batches=3),
+                             num_workers=2)
+        got = list(loader)
+        assert len(got) == 6 and loader.state_dict()["position"] == 3
+        for step in range(3):
+            for a in range(2):
+                assert same(got[2 * step + a], one[4 * step + 2 * a + rank]), (rank, step, a)
+    loader = SynthLoader(SynthDataset(TINY, seed=3, micro_batches=4))
+    take(iter(loader), 6)  # one and a half steps
+    assert loader.state_dict()["position"] == 1
+    with pytest.raises(ValueError, match="micro_batches"):
+        SynthDataset(TINY, micro_batches=0)
+
+
 # ------------------------------------------------------------------ resumption
 def test_stream_resumes_exactly():
     full = take(SynthStream(TINY, seed=5), 6)

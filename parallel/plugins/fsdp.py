@@ -80,7 +80,9 @@ class TorchFSDPPlugin(FullyShardPlugin):
         kwargs: dict[str, Any] = {"reshard_after_forward": self.reshard_after_forward}
         compute = self.precision.torch_dtype
         if compute is not None and self.cast_params:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            # inputs stay as given: a table's values must not be rounded to the compute dtype
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                                                       cast_forward_inputs=False)
         if self.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         return kwargs

@@ -395,7 +395,9 @@ class HybridParallelPlugin(Plugin):
         kwargs: dict[str, Any] = {"mesh": self.grad_mesh, "reshard_after_forward": self.zero_stage == 3}
         compute = self.precision.torch_dtype
         if compute is not None:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+            # inputs stay as given: a table's values must not be rounded to the compute dtype
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                                                       cast_forward_inputs=False)
         empty = {p for p in model.parameters() if p.numel() == 0}
         if empty:
             kwargs["ignored_params"] = empty

@@ -42,7 +42,7 @@ from tabfm.data.table_episodes import (
     TableEpisodeSampler, holdout_split, infer_task,
 )
 from tabfm.parallel import Booster, Plugin, latest_checkpoint
-from tabfm.parallel.launch import barrier, seed_for_rank
+from tabfm.parallel.launch import barrier
 from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.train.config import PLUGINS, PRECISIONS, resolve_precision
@@ -587,8 +587,6 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     booster = Booster(plug, precision=resolve_precision(cfg.precision, plug.device))
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
-    if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
-        torch.manual_seed(seed_for_rank(cfg.seed, plug.dp_rank))
 
     from tqdm.auto import tqdm
 
@@ -612,6 +610,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators={"holdout": evaluate}, eval_every=cfg.eval_every, export_config=None, progress=progress,
+        seed=cfg.seed,
     )
 
     def export(step: int, metrics: dict[str, float]) -> None:
@@ -620,7 +619,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
 
     keeper.bind(trainer, export)
     if trainer.resume():
-        announce_resume(out, trainer, plug, cfg.seed)
+        announce_resume(out, trainer, plug)
     if keeper.initial is None:  # a fresh run: score (and export, as the first best) the starting weights
         trainer.evaluate()
 

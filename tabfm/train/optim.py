@@ -15,51 +15,89 @@ def _no_decay(name: str, p: torch.Tensor) -> bool:
     return p.dim() < 2 or "norm" in name or "embed" in name
 
 
-class CombinedOptimizer(torch.optim.Optimizer):
-    """Several optimizers stepped as one (Muon for hidden matrices, AdamW for the rest).
+MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz iteration of Keller Jordan's Muon
 
-    param_groups is the concatenation of the children's groups (the same dicts), so an
-    LR scheduler built on this object drives every child.
+
+def orthogonalize(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """Approximately U V^T of a matrix's SVD U S V^T (Muon's Newton-Schulz iteration), in `dtype`.
+
+    A DTensor (FSDP / ZeRO-2 shards, tensor-parallel pieces) is orthogonalized as the whole
+    matrix, then laid out as it came: the iteration is not elementwise."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(update, DTensor):
+        full = orthogonalize(update.full_tensor(), steps, dtype, eps)
+        return distribute_tensor(full, update.device_mesh, update.placements)
+    a, b, c = MUON_COEFFICIENTS
+    x = update.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(update.dtype)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the groups marked `muon=True` (2-D hidden matrices), AdamW on the others, as one
+    torch optimizer: its state_dict has torch's layout, so torch.distributed.checkpoint, ZeRO-1's
+    ZeroRedundancyOptimizer and every plugin that rebuilds an optimizer by type handle it like AdamW.
+
+    Muon groups follow `torch.optim.Muon` (momentum 0.95, Nesterov, decoupled weight decay, step
+    scaled 0.2 * sqrt(max(rows, cols)) to match AdamW's update RMS). The orthogonalization runs in
+    `ns_dtype` ("bfloat16", "float32"; a name, so state dicts stay plain): None picks bfloat16 on CUDA (as torch's Muon does everywhere) and float32 on other
+    devices, where CPUs without native bf16 emulate it at many times the cost of fp32.
     """
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.optimizers = optimizers
-        self.defaults: dict[str, Any] = {}
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
-
-    @property
-    def state(self):  # type: ignore[override]
-        merged: dict = {}
-        for o in self.optimizers:
-            merged.update(o.state)
-        return merged
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.01, momentum: float = 0.95, ns_steps: int = 5,
+                 ns_dtype: str | None = None, muon: bool = False) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                        ns_steps=ns_steps, ns_dtype=ns_dtype, muon=muon)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            bad = [tuple(p.shape) for p in group["params"] if group["muon"] and p.dim() != 2]
+            if bad:
+                raise ValueError(f"Muon groups take 2-D matrices only; got parameters of shape {bad}")
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):  # type: ignore[override]
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return {"optimizers": [o.state_dict() for o in self.optimizers]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        states = state_dict["optimizers"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(f"optimizer state holds {len(states)} optimizers, this one has {len(self.optimizers)}")
-        for o, s in zip(self.optimizers, states):
-            o.load_state_dict(s)
-        # loading replaces each child's group dicts: point at the new ones so schedulers reach them
-        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, self.state[p]
+                if group["muon"]:
+                    if not state:
+                        state["momentum_buffer"] = torch.zeros_like(grad)
+                    buf, mu = state["momentum_buffer"], group["momentum"]
+                    buf.lerp_(grad, 1 - mu)
+                    dtype = getattr(torch, group["ns_dtype"] or ("bfloat16" if p.device.type == "cuda" else "float32"))
+                    update = orthogonalize(grad.lerp(buf, mu), group["ns_steps"], dtype)
+                    p.mul_(1 - lr * wd)
+                    p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape[0], p.shape[1])))
+                    continue
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                beta1, beta2 = group["betas"]
+                state["step"] += 1
+                t = float(state["step"])
+                p.mul_(1 - lr * wd)
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+        return loss
 
 
 def build_optimizer(
@@ -74,11 +112,8 @@ def build_optimizer(
         hidden = [p for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
         hidden_ids = {id(p) for p in hidden}
         rest = [(n, p) for n, p in named if id(p) not in hidden_ids]
-        adam = torch.optim.AdamW(_groups(rest, weight_decay), lr=lr, betas=betas)
-        if not hidden:
-            return adam
-        muon = torch.optim.Muon(hidden, lr=muon_lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
-        return CombinedOptimizer([muon, adam])
+        muon = [{"params": hidden, "lr": muon_lr, "weight_decay": weight_decay, "muon": True}] if hidden else []
+        return MuonAdamW(muon + _groups(rest, weight_decay), lr=lr, betas=betas, weight_decay=weight_decay)
     return torch.optim.AdamW(_groups(named, weight_decay), lr=lr, betas=betas)
 
 

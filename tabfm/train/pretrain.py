@@ -25,7 +25,7 @@ import torch
 from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, load_exported
 from tabfm.parallel.checkpoint import MANIFEST, read_manifest
 from tabfm.parallel.export import export_model
-from tabfm.parallel.launch import barrier, launch, seed_for_rank
+from tabfm.parallel.launch import barrier, launch
 from tabfm.data.store_episodes import StoreEpisodes, open_store, store_fingerprint
 from tabfm.data.table_episodes import EpisodeConfig
 from tabfm.synth.dataset import SynthDataset, SynthLoader
@@ -140,16 +140,13 @@ def _check_same_data(out: Path, saved: dict[str, Any], cfg: PretrainConfig, stor
                              "use another --out or the same settings to resume")
 
 
-def announce_resume(out: Path, trainer: Trainer, plugin: Plugin, seed: int) -> None:
-    """Say where the run resumes (main process), record it in the metrics, and give each rank
-    fresh RNG streams when the world size changed (the checkpoint then held no RNG state per rank)."""
+def announce_resume(out: Path, trainer: Trainer, plugin: Plugin) -> None:
+    """Say where the run resumes (main process) and record it in the metrics."""
     ckpt, step = trainer.resumed_from, trainer.step
     saved = read_manifest(ckpt).get("layout", {})
     before, now = int(saved.get("world_size", 1)), _world_size()
     dp_before, dp_now = int(saved.get("dp", before)), plugin.dp_world_size
     trainer.record("resume", {"checkpoint": ckpt.name, "world_size": now, "checkpoint_world_size": before})
-    if before != now and dp_now > 1:
-        torch.manual_seed(seed_for_rank(seed_for_rank(seed, step), plugin.dp_rank))
     if plugin.is_main_process:
         print(f"resuming {out} from step {step} ({ckpt.name})", flush=True)
         if dp_before != dp_now:
@@ -220,14 +217,13 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     booster = Booster(plug, precision=precision)
     model, optimizer, criterion, _, scheduler = booster.boost(model, optimizer, masked_cell_loss,
                                                               lr_scheduler=scheduler)
-    if plug.dp_world_size > 1:  # training draws random column identities: one stream per data-parallel rank
-        torch.manual_seed(seed_for_rank(cfg.seed, plug.dp_rank))
 
     if cfg.data is not None:
         data = store_data(cfg, headers, plug.dp_rank, plug.dp_world_size, model_cfg.max_categories)
         cells = data.sampler.cells_per_batch
     else:
-        dataset = SynthDataset(stream_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
+        dataset = SynthDataset(stream_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size,
+                               micro_batches=cfg.grad_accum)
         data = SynthLoader(dataset, num_workers=cfg.workers)
         cells = stream_cfg.cells_per_batch
 
@@ -243,7 +239,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators=evaluators, eval_every=cfg.eval_every,
-        export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress,
+        export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress, seed=cfg.seed,
     )
     if main and progress and cfg.data is not None:
         print(f"pretrain {out}: table store {store['path']}, {store['tables']} tables, {data.batches_per_epoch} "
@@ -255,7 +251,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         layout = plug.layout()
         print(f"pretrain {out}: each table split over tp={layout['tp']} x sp={layout['sp']} ranks", flush=True)
     if trainer.resume():
-        announce_resume(out, trainer, plug, cfg.seed)
+        announce_resume(out, trainer, plug)
     return trainer.fit()
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from tabfm.parallel import Booster, checkpoint_dir, latest_checkpoint
+from tabfm.parallel import Booster, checkpoint_dir, latest_checkpoint, seed_for_rank
 from tabfm.train.metrics_log import MetricsLog
 
 Evaluator = Callable[[nn.Module], dict[str, float]]
@@ -115,6 +115,7 @@ class Trainer:
         eval_every: int = 250,
         export_config: dict[str, Any] | None = None,
         progress: bool = True,
+        seed: int | None = None,
     ) -> None:
         self.booster, self.model, self.optimizer, self.scheduler = booster, model, optimizer, scheduler
         self.criterion, self.data = criterion, data
@@ -125,6 +126,7 @@ class Trainer:
         self.max_minutes, self.eval_every = max_minutes, eval_every
         self.evaluators = evaluators or {}
         self.export_config = export_config
+        self.seed = seed
         self.ranks = Ranks(booster.plugin.dp_world_size, booster.device)
         self.is_main = booster.plugin.is_main_process
         self.progress = progress and self.is_main
@@ -223,6 +225,15 @@ class Trainer:
             self.booster.backward(loss / self.grad_accum, self.optimizer)
         return {"loss": float(loss.detach()), **metrics}
 
+    def _seed_micro_batch(self, i: int) -> None:
+        """Seed torch's RNG (the model's random column identities) from (seed, step, global
+        micro-batch index i * dp + dp_rank): a step's randomness depends on the global batch, not on
+        how ranks and accumulation split it, and a resumed run draws what the uninterrupted one did."""
+        if self.seed is not None:
+            plugin = self.booster.plugin
+            index = i * plugin.dp_world_size + plugin.dp_rank
+            torch.manual_seed(seed_for_rank(seed_for_rank(self.seed, self.step), index))
+
     def _window_means(self, window: dict[str, list[float]]) -> dict[str, float]:
         """Collective: mean of each metric over the finite values of all micro-batches on all ranks
         (a micro-batch with no cells of a kind reports NaN for it). Every rank must pass the same keys."""
@@ -250,6 +261,7 @@ class Trainer:
                 stopped = "time"
                 break
             for i in range(self.grad_accum):
+                self._seed_micro_batch(i)
                 batch = next(batches).to(self.booster.device)
                 cells = batch.num_cells
                 for k, v in self._micro_step(batch, last=i == self.grad_accum - 1).items():
