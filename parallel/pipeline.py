@@ -63,7 +63,7 @@ from .state_io import load_state
 from .wrappers import _to_fp32
 
 __all__ = ["check_pp_layout", "split_stages", "local_stages", "merge_modules", "PipelineRunner",
-           "PipelineCheckpointIO", "pipeline_grad_norm", "PipelineOnlyModule"]
+           "PipelineCheckpointIO", "pipeline_grad_norm", "PipelineOnlyModule", "PipelineEvalModule"]
 
 
 # --- the cut --------------------------------------------------------------------------------
@@ -162,6 +162,22 @@ class PipelineOnlyModule(nn.Module):
                            "criterion, optimizer)")
 
 
+class PipelineEvalModule(nn.Module):
+    """What evaluation calls under pp > 1: `module(batch)` runs the whole batch through the stages
+    (`PipelineRunner.forward`, collective over the pp group) and returns the model's output on
+    every rank. Holds the stage modules, so train()/eval() and parameters() reach them."""
+
+    def __init__(self, runner: "PipelineRunner") -> None:
+        super().__init__()
+        self.runner = runner
+        self.stages = nn.ModuleList(runner.modules)
+
+    def forward(self, batch: Any, id_seed: int = 0) -> Any:
+        if id_seed:
+            raise NotImplementedError("pipeline evaluation runs the model's default column identities (id_seed=0)")
+        return self.runner.forward(batch)
+
+
 class _AutocastStage(nn.Module):
     """Runs a stage under the plugin's autocast; the last stage's outputs come back in fp32
     (as `ModelWrapper` does for a whole model), the others contiguous (point-to-point
@@ -224,6 +240,8 @@ class PipelineRunner:
         self._criterion: Callable | None = None
         self._records: list[tuple[torch.Tensor, Any, Any]] = []
         self._keep_outputs = False
+        self._eval_schedules: dict[tuple, Any] = {}
+        self._eval_output: Any = None
 
     def _tensors(self, batch: Any) -> dict[str, torch.Tensor]:
         tensors = self.plan.batch_tensors(self.shard_batch(batch) if self.shard_batch is not None else batch)
@@ -305,6 +323,40 @@ class PipelineRunner:
         return {"loss": torch.tensor(loss, device=self.device), "metrics": metrics,
                 "outputs": [r[2] for r in records] if return_outputs and self.is_last else None}
 
+
+    def forward(self, batch: Any) -> Any:
+        """The model's output on a whole batch, on every rank of the pp group, without gradients
+        (evaluation): one micro-batch of any number of items through the stages (a forward-only
+        schedule per batch signature), the last stage's output broadcast to the others."""
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        if len(self.modules) > 1:
+            raise NotImplementedError("evaluating through an interleaved pipeline (stages_per_rank > 1) is not "
+                                      "implemented; use stages_per_rank=1")
+        tensors = {name: t.to(self.device) for name, t in self.plan.batch_tensors(batch).items()}
+        signature = ("eval",) + tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors.items())
+        self._agree(signature)
+        schedule = self._eval_schedules.get(signature)
+        if schedule is None:
+            stage = PipelineStage(self.modules[0], self.indices[0], self.num_stages, self.device, group=self.group)
+            schedule = self._eval_schedules[signature] = ScheduleGPipe(stage, 1, loss_fn=self._record_output)
+        items = next(iter(tensors.values())).shape[0]
+        try:
+            if self.is_last:
+                schedule.eval(target=torch.arange(items, device=self.device), **tensors)
+            else:
+                schedule.eval(**tensors)
+            box = [self._eval_output if self.is_last else None]
+        finally:
+            self._eval_output = None
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, self.pp - 1), group=self.group)
+        return box[0]
+
+    def _record_output(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The forward-only schedule's "loss": keeps the last stage's output as the model's."""
+        out = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        self._eval_output = self.plan.output(out) if self.plan.output is not None else output
+        return torch.zeros((), device=self.device)
 
     def _set_aside_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Gradients accumulated before a run that infers shapes (a new batch signature): torch

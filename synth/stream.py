@@ -48,6 +48,9 @@ class StreamConfig:
     episodes then carry those extra columns after their own, so a batch is wider than its bucket
     by the widest table's extras (up to (max_classes - 1) x 3 columns with "knn-linear"), and holds
     only as many of the bucket's tables as keep it within `cells_per_batch` padded cells.
+    `table_multiple` = M > 1: every batch holds a multiple of M tables (at least M, even where M of
+    the position's shape exceed `cells_per_batch`), so it cuts into M equal micro-batches of whole
+    tables (`tabfm pretrain --microbatches M`, the pipeline's micro-batches).
     """
 
     prior: PriorConfig = field(default_factory=PriorConfig)
@@ -65,6 +68,7 @@ class StreamConfig:
     context_fraction: tuple[float, float] = (0.3, 0.9)
     mask_fraction: tuple[float, float] = (0.05, 0.3)
     context_features: str = "none"
+    table_multiple: int = 1
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # the pretraining default: tables up to 1024 x 64, ~128k cells per batch
@@ -125,7 +129,8 @@ class StreamConfig:
                              f"(got {self.context_features!r})")
         if not isinstance(self.prior, PriorConfig):
             raise ValueError(f"StreamConfig.prior must be a PriorConfig, got {type(self.prior).__name__}")
-        for name in ("min_rows", "max_rows", "min_cols", "max_cols", "max_cells", "row_quantum", "cells_per_batch", "max_batch"):
+        for name in ("min_rows", "max_rows", "min_cols", "max_cols", "max_cells", "row_quantum", "cells_per_batch", "max_batch",
+                     "table_multiple"):
             v = getattr(self, name)
             need(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0, name, "must be a positive integer")
         need(self.min_rows >= 2, "min_rows", "must be >= 2 (a prediction episode needs a context and a query row)")
@@ -198,7 +203,8 @@ def bucket_at(cfg: StreamConfig, seed: int, position: int) -> Bucket:
         cols = min(cols, cfg.max_cells // lo)
         rows = max(lo, cfg.max_cells // cols // q * q)
     batch = int(np.clip(cfg.cells_per_batch // (rows * cols), 1, cfg.max_batch))
-    return Bucket(rows=rows, cols=cols, batch=batch)
+    m = cfg.table_multiple
+    return Bucket(rows=rows, cols=cols, batch=max(m, batch // m * m))
 
 
 def table_rng(seed: int, position: int, rank: int, index: int, domain: int = _TABLE) -> np.random.Generator:
@@ -270,14 +276,16 @@ class SynthStream(SeekableStream):
         position = _check_index("position", position)
         b = self.bucket(position)
         pairs: list[tuple[SynthTable, Episode]] = []
-        width = 0
+        width, m = 0, self.cfg.table_multiple
         for j in range(b.batch):  # context features widen tables: stop where the padded batch outgrows the budget
             pair = self._table(position, j, b.rows, b.cols)
             wider = max(width, pair[0].shape[1])
-            if pairs and (len(pairs) + 1) * b.rows * wider > self.cfg.cells_per_batch:
+            if len(pairs) >= m and (len(pairs) + 1) * b.rows * wider > self.cfg.cells_per_batch:
                 break
             pairs.append(pair)
             width = wider
+        pairs = pairs[:len(pairs) // m * m]  # whole groups of table_multiple
+        width = max(t.shape[1] for t, _ in pairs)
         tables = [t for t, _ in pairs]
         episodes = [e for _, e in pairs]
         info = BatchInfo(

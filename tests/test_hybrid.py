@@ -520,9 +520,13 @@ def test_pretrain_command_hybrid_flags_name_the_fix(tmp_path, monkeypatch, capsy
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = ["pretrain", "--preset", "smoke", "--out", str(tmp_path / "run"), "--quiet"]
     assert main([*args, "--tp", "2"]) == 2
-    assert "--tp splits each table over ranks; it needs --plugin hybrid" in capsys.readouterr().err
+    assert "--tp splits the model or its tables over ranks; it needs --plugin hybrid" in capsys.readouterr().err
     assert main([*args, "--plugin", "hybrid", "--pp", "2"]) == 2
-    assert "--pp 2: pipeline stages run through booster.execute_pipeline" in capsys.readouterr().err
+    assert "--microbatches must be >= 2" in capsys.readouterr().err
+    assert main([*args, "--plugin", "hybrid", "--pp", "2", "--microbatches", "2", "--sp", "2"]) == 2
+    assert "--pp with --sp is not available" in capsys.readouterr().err
+    assert main([*args, "--microbatches", "2", "--data", str(tmp_path)]) == 2
+    assert "not with --data" in capsys.readouterr().err
     assert main([*args, "--plugin", "hybrid", "--sp", "2"]) == 2
     assert "torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin hybrid" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

@@ -5,8 +5,9 @@ included), then `tabfm export` of the run's last checkpoint in one process, then
 
 The reference is one process (`--plugin single`) over the same global batch: a run's tables and
 random column identities depend only on (seed, step, global micro-batch index), so 2 data-parallel
-ranks draw what one process with `--grad-accum 2` draws, and tensor / row-sequence parallel ranks
-(which split one table) what one process draws. Losses of every step, the held-out evaluation and
+ranks draw what one process with `--grad-accum 2` draws, tensor / row-sequence parallel ranks
+(which split one table) what one process draws, and a pipeline's `--microbatches M` what one
+process with `--microbatches M` draws and computes. pp x dp and pp x tp run 4 processes. Losses of every step, the held-out evaluation and
 the exported parameters must agree: fp32 to float rounding (1e-4),
 bf16 to bf16 rounding (5e-2 on losses and parameters, which start at scale ~1).
 
@@ -36,24 +37,29 @@ RUN_TIMEOUT_S = 300
 FLAGS = ["--preset", "smoke", "--steps", str(STEPS), "--log-every", "1", "--quiet", "--threads", "1"]
 TOL = {"fp32": 1e-4, "bf16": 5e-2}
 
-# layout -> (plugin flags, data-parallel ranks)
-LAYOUTS: dict[str, tuple[list[str], int]] = {
-    "ddp": (["--plugin", "ddp"], 2),
-    "zero1": (["--plugin", "zero", "--zero-stage", "1"], 2),
-    "zero2": (["--plugin", "zero", "--zero-stage", "2"], 2),
-    "fsdp": (["--plugin", "fsdp"], 2),
-    "gemini": (["--plugin", "gemini"], 2),
+PP = ["--plugin", "hybrid", "--pp", "2", "--microbatches", "2"]
+# layout -> (plugin flags, processes, data-parallel ranks); --microbatches is shared with the reference
+LAYOUTS: dict[str, tuple[list[str], int, int]] = {
+    "ddp": (["--plugin", "ddp"], 2, 2),
+    "zero1": (["--plugin", "zero", "--zero-stage", "1"], 2, 2),
+    "zero2": (["--plugin", "zero", "--zero-stage", "2"], 2, 2),
+    "fsdp": (["--plugin", "fsdp"], 2, 2),
+    "gemini": (["--plugin", "gemini"], 2, 2),
     # a budget that forces parameter evictions and part of the optimizer state off the device
-    "gemini-auto": (["--plugin", "gemini", "--gemini-budget-mib", "26", "--gemini-placement", "auto"], 2),
-    "gemini-disk": (["--plugin", "gemini", "--gemini-offload-optim", "1.0", "--gemini-disk-dir", "{tmp}/spill"], 2),
-    "tp": (["--plugin", "hybrid", "--tp", "2"], 1),
-    "sp": (["--plugin", "hybrid", "--sp", "2"], 1),
+    "gemini-auto": (["--plugin", "gemini", "--gemini-budget-mib", "26", "--gemini-placement", "auto"], 2, 2),
+    "gemini-disk": (["--plugin", "gemini", "--gemini-offload-optim", "1.0", "--gemini-disk-dir", "{tmp}/spill"], 2, 2),
+    "tp": (["--plugin", "hybrid", "--tp", "2"], 2, 1),
+    "sp": (["--plugin", "hybrid", "--sp", "2"], 2, 1),
+    "pp": (PP, 2, 1),
+    "pp-dp": (PP, 4, 2),
+    "pp-tp": ([*PP, "--tp", "2"], 4, 1),
 }
 MUON_REFUSED = {"gemini", "gemini-auto", "gemini-disk"}  # Gemini steps AdamW on its chunks
 CI_ROWS = [
-    *[(layout, "adamw", "fp32") for layout in LAYOUTS],
+    *[(layout, "adamw", "fp32") for layout in LAYOUTS if layout != "pp-tp"],
     ("zero1", "muon", "fp32"), ("fsdp", "muon", "fp32"), ("tp", "muon", "fp32"),
-    ("fsdp", "adamw", "bf16"), ("gemini", "adamw", "bf16"), ("tp", "adamw", "bf16"),
+    ("pp", "muon", "fp32"),
+    ("fsdp", "adamw", "bf16"), ("gemini", "adamw", "bf16"), ("tp", "adamw", "bf16"), ("pp", "adamw", "bf16"),
 ]
 FULL_ROWS = [(layout, opt, prec) for layout in LAYOUTS for opt in ("adamw", "muon") for prec in ("fp32", "bf16")
              if not (opt == "muon" and layout in MUON_REFUSED)]
@@ -64,10 +70,10 @@ def run_flags(optimizer: str, precision: str) -> list[str]:
     return [*FLAGS, "--optimizer", optimizer, "--precision", precision]
 
 
-def torchrun_pretrain(out: Path, flags: list[str]) -> None:
+def torchrun_pretrain(out: Path, flags: list[str], nproc: int) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
            "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
            "-m", "tabfm.cli", "pretrain", *flags, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
@@ -84,15 +90,15 @@ def metrics(out: Path) -> tuple[list[float], dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One-process runs, made on first use: (data-parallel ranks, optimizer, precision) -> run dir."""
-    made: dict[tuple[int, str, str], Path] = {}
+    """One-process runs, made on first use: (data-parallel ranks, micro-batches, optimizer, precision) -> run dir."""
+    made: dict[tuple[int, str, str, str], Path] = {}
 
-    def get(dp: int, optimizer: str, precision: str) -> Path:
-        key = (dp, optimizer, precision)
+    def get(dp: int, microbatches: str, optimizer: str, precision: str) -> Path:
+        key = (dp, microbatches, optimizer, precision)
         if key not in made:
-            out = tmp_path_factory.mktemp("single") / f"dp{dp}-{optimizer}-{precision}"
+            out = tmp_path_factory.mktemp("single") / f"dp{dp}-m{microbatches}-{optimizer}-{precision}"
             assert main(["pretrain", *run_flags(optimizer, precision), "--plugin", "single", "--grad-accum", str(dp),
-                         "--out", str(out)]) == 0
+                         "--microbatches", microbatches, "--out", str(out)]) == 0
             made[key] = out
         return made[key]
 
@@ -104,10 +110,11 @@ def references(tmp_path_factory):
 def test_layout_trains_evaluates_and_exports_like_one_process(layout, optimizer, precision, references, tmp_path):
     from tabfm.estimators import TabFMClassifier
 
-    plugin, dp = LAYOUTS[layout]
+    plugin, nproc, dp = LAYOUTS[layout]
     out = tmp_path / "run"
-    torchrun_pretrain(out, run_flags(optimizer, precision) + [a.replace("{tmp}", str(tmp_path)) for a in plugin])
-    ref = references(dp, optimizer, precision)
+    torchrun_pretrain(out, run_flags(optimizer, precision) + [a.replace("{tmp}", str(tmp_path)) for a in plugin], nproc)
+    microbatches = plugin[plugin.index("--microbatches") + 1] if "--microbatches" in plugin else "1"
+    ref = references(dp, microbatches, optimizer, precision)
     tol = TOL[precision]
 
     losses, evals = metrics(out)
@@ -141,3 +148,21 @@ def test_muon_on_gemini_is_refused_before_training(tmp_path, capsys):
     assert main(["pretrain", *run_flags("muon", "fp32"), "--plugin", "gemini", "--out", str(tmp_path / "r")]) == 2
     assert "--optimizer adamw" in capsys.readouterr().err
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_resumes_in_one_process(tmp_path):
+    """A --pp 2 run stopped at step 2 resumes in one process and ends on the weights of the same
+    interruption made in one process (a shorter --steps also shortens the schedule, so the
+    reference is interrupted the same way)."""
+    flags = [*run_flags("adamw", "fp32"), "--microbatches", "2"]
+    first = [a if a != str(STEPS) else "2" for a in flags]
+    torchrun_pretrain(tmp_path / "pp", first + PP[:-2], 2)
+    assert main(["pretrain", *flags, "--plugin", "single", "--out", str(tmp_path / "pp")]) == 0
+    assert main(["pretrain", *first, "--plugin", "single", "--out", str(tmp_path / "one")]) == 0
+    assert main(["pretrain", *flags, "--plugin", "single", "--out", str(tmp_path / "one")]) == 0
+    resumed = [r for r in read_metrics(tmp_path / "pp" / "metrics.jsonl") if r["kind"] == "resume"]
+    assert [r["checkpoint"] for r in resumed] == ["step_000002"]
+    got, want = (load_file(tmp_path / n / "export" / "model.safetensors") for n in ("pp", "one"))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)

@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader
 from ..mesh import build_mesh, mesh_rank, sub_mesh
 from ..pipeline import (
     PipelineCheckpointIO,
+    PipelineEvalModule,
     PipelineOnlyModule,
     PipelineRunner,
     check_pp_layout,
@@ -264,9 +265,12 @@ class HybridParallelPlugin(Plugin):
         it on their own batches). Under sp its row seams (K/V all-gathers, statistics
         all-reduces) are suspended meanwhile, so a full table is not counted sp times;
         tensor-parallel and FSDP layers stay, so every rank must evaluate together."""
-        if self._runner is not None:
-            raise NotImplementedError("evaluating a pipeline-parallel model (pp > 1) is not implemented: each rank "
-                                      "holds one stage")
+        if self._runner is not None:  # pp > 1: whole batches through the stages, the output on every rank
+            if self.sp_size > 1:
+                raise NotImplementedError("evaluating a pipeline-parallel model with sp > 1 is not implemented: "
+                                          "the stages' row seams would have to be suspended; use pp with tp / dp")
+            yield PipelineEvalModule(self._runner)
+            return
         module = model.unwrap()
         if self._row_seams is None:
             yield module

@@ -34,9 +34,11 @@ _FIELDS = {
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
     "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
-    "n_layers": int, "context_features": str,
+    "n_layers": int, "context_features": str, "microbatches": int,
 }
 _HELP = {
+    "microbatches": "cut each batch into M micro-batches of whole tables, losses averaged (default 1): with --pp "
+                    "they stream through the stages (M >= PP), elsewhere they run in turn (activation memory / M)",
     "data": "train on a table store directory (tabfm synth --out, tabfm.data.store.write_table) instead of the "
             "synthetic stream",
     "data_cells_per_batch": "with --data: padded cells per batch and rank (default: the stream preset's)",
@@ -64,8 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="ZeRO stage for --plugin zero (default 1)")
     p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table")
     p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
-    p.add_argument("--pp", type=int, default=None, help="--plugin hybrid: pipeline stages (not available from the "
-                   "command line yet; see README)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="--plugin hybrid: pipeline stages (the blocks cut into PP stages; use --microbatches >= PP)")
     p.add_argument("--gemini-budget-mib", dest="gemini_budget_mib", type=float, default=None,
                    help="--plugin gemini: device budget in MiB (default: unbounded, still accounted)")
     p.add_argument("--gemini-placement", dest="gemini_placement", choices=GEMINI_PLACEMENTS, default=None,
@@ -99,13 +101,9 @@ def run(args: argparse.Namespace) -> int:
         if args.plugin != "zero":
             raise ValueError(f"--zero-stage applies to --plugin zero, not --plugin {args.plugin}")
         overrides["zero_stage"] = args.zero_stage
-    for name in ("tp", "sp", *PretrainConfig.GEMINI_FLAGS):
+    for name in ("tp", "sp", "pp", *PretrainConfig.GEMINI_FLAGS):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
-    if args.pp is not None and args.pp != 1:
-        raise ValueError(f"--pp {args.pp}: pipeline stages run through booster.execute_pipeline, which pretraining "
-                         "does not drive yet (its batches vary in table count, and evaluation would have to run "
-                         "through the stages); use HybridParallelPlugin(pp_size=...) from Python, or --tp / --sp")
     if args.no_sklearn_eval:
         overrides["eval_sklearn"] = False
     cfg = PretrainConfig.preset(args.preset, **overrides)

@@ -39,6 +39,11 @@ class PretrainConfig:
     max_minutes    wall-clock budget of this invocation; on expiry it checkpoints and exports
     threads        torch intra-op threads (None: torch's default); on a busy 2-core machine 1 is fastest
     grad_accum     micro-batches per optimizer step
+    microbatches   M: each batch holds a multiple of M tables and is cut into M equal micro-batches of
+                   whole tables whose losses are averaged (gradient accumulation inside one batch);
+                   with pp > 1 they stream through the pipeline stages (M >= pp), elsewhere they
+                   run one after another (activation memory / M). The same M gives the same run on
+                   every layout.
     eval_every     steps between evaluations (held-out synthetic tables + sklearn datasets)
     ckpt_every     steps between checkpoints; keep_last of them are kept
     init           warm start: model weights from an export directory or shipped name (same model
@@ -50,6 +55,9 @@ class PretrainConfig:
                    row-sequence-parallel ranks (each table's rows split); the remaining
                    world / (tp x sp) ranks are data parallel. Ranks of one tp x sp group train on
                    the same batches, so they add compute and memory per table, not batch size.
+    pp             plugin "hybrid": pipeline stages (the model's blocks cut into pp stages of equal
+                   depth; the world / (tp x pp) remaining ranks are data parallel); with tp and with
+                   dp, not (yet) with sp or grad_accum > 1 (raise `microbatches` instead)
     gemini_budget_mib, gemini_placement, gemini_offload_optim, gemini_disk_dir
                    plugin "gemini" (one process, or data parallel under torchrun with each chunk
                    sharded over the ranks): the device budget in MiB (None: unbounded, still
@@ -86,6 +94,7 @@ class PretrainConfig:
     clip: float = 1.0
     precision: str = "auto"
     grad_accum: int = 1
+    microbatches: int = 1
     seed: int = 0
     workers: int = 1
     log_every: int = 10
@@ -100,6 +109,7 @@ class PretrainConfig:
     zero_stage: int = 1
     tp: int = 1
     sp: int = 1
+    pp: int = 1
     gemini_budget_mib: float | None = None
     gemini_placement: str | None = None
     gemini_offload_optim: float | None = None
@@ -176,7 +186,7 @@ class PretrainConfig:
             if not ok:
                 raise ValueError(f"PretrainConfig.{name} = {getattr(self, name)!r}: {what}")
 
-        for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last", "cells_per_token"):
+        for name in ("steps", "grad_accum", "microbatches", "log_every", "eval_every", "ckpt_every", "keep_last", "cells_per_token"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         need(self.n_layers is None or (isinstance(self.n_layers, int) and self.n_layers >= 1), "n_layers",
              "must be None (the preset's) or an integer >= 1")
@@ -186,10 +196,18 @@ class PretrainConfig:
         need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
         need(self.plugin in PRETRAIN_PLUGINS, "plugin", f"must be one of {', '.join(PRETRAIN_PLUGINS)}")
         need(self.zero_stage in (1, 2), "zero_stage", "must be 1 or 2 (ZeRO-3 is --plugin fsdp)")
-        for name in ("tp", "sp"):
+        for name in ("tp", "sp", "pp"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
             need(getattr(self, name) == 1 or self.plugin == "hybrid", name,
-                 f"--{name} splits each table over ranks; it needs --plugin hybrid (not {self.plugin})")
+                 f"--{name} splits the model or its tables over ranks; it needs --plugin hybrid (not {self.plugin})")
+        need(self.microbatches == 1 or self.data is None, "microbatches",
+             "cuts the synthetic stream's batches (a multiple of M tables each); not with --data")
+        if self.pp > 1:
+            need(self.microbatches >= self.pp, "microbatches",
+                 f"--pp {self.pp} streams micro-batches through {self.pp} stages: --microbatches must be >= {self.pp}")
+            need(self.sp == 1, "pp", "--pp with --sp is not available from the command line yet; use --tp")
+            need(self.grad_accum == 1, "pp", "--pp runs one pipeline per step: raise --microbatches instead of "
+                 "--grad-accum")
         self._check_gemini(need)
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")

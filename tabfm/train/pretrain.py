@@ -82,7 +82,8 @@ def build_plugin(cfg: PretrainConfig) -> Plugin:
     if cfg.plugin == "hybrid":
         from tabfm.parallel.plugins.hybrid import HybridParallelPlugin
 
-        return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, device=cfg.device)
+        return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, pp_size=cfg.pp, device=cfg.device,
+                                    num_microbatches=cfg.microbatches if cfg.pp > 1 else None)
     from tabfm.parallel.plugins.fsdp import TorchFSDPPlugin
 
     return TorchFSDPPlugin(device=cfg.device)
@@ -105,8 +106,9 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
         saved = json.loads(saved_path.read_text())
-        defaults = {"cells_per_token": 1, "context_features": "none"}
-        for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer", "context_features"):
+        defaults = {"cells_per_token": 1, "context_features": "none", "microbatches": 1}
+        for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer", "context_features",
+                    "microbatches"):
             if saved.get(key, defaults.get(key)) != getattr(cfg, key):
                 raise ValueError(
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
@@ -188,7 +190,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     plug = plugin if plugin is not None else build_plugin(cfg)
     main = plug.is_main_process
     model_cfg = run_model_config(cfg)
-    stream_cfg = StreamConfig.preset(cfg.stream, context_features=cfg.context_features)
+    stream_cfg = StreamConfig.preset(cfg.stream, context_features=cfg.context_features,
+                                     table_multiple=cfg.microbatches)
     headers = store = None
     if cfg.data is not None:  # a store that is missing, empty or unreadable fails here, before anything is written
         headers = open_store(cfg.data)
@@ -236,7 +239,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
 
     trainer = Trainer(
         booster, model, optimizer, scheduler, criterion, data, out,
-        steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
+        steps=cfg.steps, grad_accum=cfg.grad_accum, microbatches=cfg.microbatches, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators=evaluators, eval_every=cfg.eval_every,
         export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress, seed=cfg.seed,

@@ -91,6 +91,11 @@ class TrainResult:
     export: Path | None = None
 
 
+def _finite_mean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
 class Trainer:
     """Runs optimizer steps until `steps` (global) or `max_minutes` (this invocation)."""
 
@@ -106,6 +111,7 @@ class Trainer:
         *,
         steps: int,
         grad_accum: int = 1,
+        microbatches: int = 1,
         clip: float | None = 1.0,
         log_every: int = 10,
         ckpt_every: int = 250,
@@ -121,7 +127,8 @@ class Trainer:
         self.criterion, self.data = criterion, data
         self.out_dir = Path(out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
-        self.steps, self.grad_accum, self.clip = steps, grad_accum, clip
+        self.steps, self.grad_accum, self.microbatches, self.clip = steps, grad_accum, microbatches, clip
+        self.pipeline = bool(getattr(booster.plugin, "supports_pipeline", False))
         self.log_every, self.ckpt_every, self.keep_last = log_every, ckpt_every, keep_last
         self.max_minutes, self.eval_every = max_minutes, eval_every
         self.evaluators = evaluators or {}
@@ -218,12 +225,31 @@ class Trainer:
 
     # -------------------------------------------------------------------- loop
     def _micro_step(self, batch: Any, last: bool) -> dict[str, float]:
-        sync = contextlib.nullcontext() if last else self.booster.no_sync(self.model, self.optimizer)
-        with sync:
-            output = self.model(batch)
-            loss, metrics = self.criterion(output, batch)
-            self.booster.backward(loss / self.grad_accum, self.optimizer)
-        return {"loss": float(loss.detach()), **metrics}
+        """Forward and backward of one accumulation micro-batch: through the pipeline's stages, or
+        as `microbatches` equal parts of whole tables in turn; returns the mean of the parts'
+        metrics (as the pipeline does)."""
+        if self.pipeline:
+            sync = contextlib.nullcontext() if last else self.booster.no_sync(self.model, self.optimizer)
+            with sync:
+                result = self.booster.execute_pipeline(iter([batch]), self.model, self.criterion, self.optimizer)
+            return {**result["metrics"], "loss": float(result["loss"])}
+        m = self.microbatches
+        if len(batch) % m:
+            raise ValueError(f"microbatches={m} cuts each batch into equal parts of whole tables, but this batch holds "
+                             f"{len(batch)} tables; the data must yield a multiple of {m}")
+        size = len(batch) // m
+        parts: dict[str, list[float]] = {}
+        for j in range(m):
+            part = batch[j * size:(j + 1) * size] if m > 1 else batch
+            final = last and j == m - 1
+            sync = contextlib.nullcontext() if final else self.booster.no_sync(self.model, self.optimizer)
+            with sync:
+                output = self.model(part)
+                loss, metrics = self.criterion(output, part)
+                self.booster.backward(loss / (self.grad_accum * m), self.optimizer)
+            for k, v in {"loss": float(loss.detach()), **metrics}.items():
+                parts.setdefault(k, []).append(float(v))
+        return {k: _finite_mean(v) for k, v in parts.items()}
 
     def _seed_micro_batch(self, i: int) -> None:
         """Seed torch's RNG (the model's random column identities) from (seed, step, global
