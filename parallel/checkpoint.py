@@ -9,8 +9,10 @@ A checkpoint is a directory `step_000123/` holding
     manifest.json                     written last: format, step, plugin, layout, versions, files
 
 It is written into `.tmp-step_000123-<pid>/`, fsynced, and renamed into place, so a crash
-leaves either the complete new checkpoint or none. `latest_checkpoint(root)` only counts
-directories with a manifest whose files are all present with the recorded sizes.
+leaves either the complete new checkpoint or none. The manifest lists every other file with its
+size and sha256. `latest_checkpoint(root)` only counts directories with a manifest whose files
+are all present with the recorded sizes; `resumable_checkpoint(root)` also verifies the hashes
+(what a resume trusts) and says what was wrong with every newer checkpoint it passed over.
 
 `CheckpointIO` is the seam plugins own: `GeneralCheckpointIO` writes full tensors from one
 process; sharded plugins return a torch.distributed.checkpoint-based implementation that
@@ -35,13 +37,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .state_io import load_state, load_weights, read_json, save_state, save_weights
+from .state_io import file_sha256, load_state, load_weights, read_json, save_state, save_weights
 
 FORMAT = "tabfm-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp-step_(\d+)-")
+_LEFTOVER = re.compile(r"^\.(tmp|old)-step_\d+-\d+$")  # what atomic_directory leaves when killed
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
@@ -123,9 +126,9 @@ def _versions() -> dict[str, str | None]:
 
 
 def write_manifest(ckpt: Path, meta: CheckpointMeta, checkpoint_io: str) -> Path:
-    """Write manifest.json listing every other file in `ckpt` with its size (call it last)."""
+    """Write manifest.json listing every other file in `ckpt` with its size and sha256 (call it last)."""
     files = {
-        str(p.relative_to(ckpt)): p.stat().st_size
+        str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MANIFEST
     }
     doc = {
@@ -153,13 +156,55 @@ def read_manifest(ckpt: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a {FORMAT} manifest")
     if doc.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: unsupported format_version {doc.get('format_version')!r}")
-    for name, size in doc.get("files", {}).items():
+    files = doc.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{path}: no 'files' table")
+    for name, entry in files.items():
+        size = entry.get("bytes") if isinstance(entry, dict) else entry  # format of older checkpoints: bytes only
         f = ckpt / name
         if not f.is_file():
             raise ValueError(f"{ckpt}: missing file {name} listed in {MANIFEST}")
         if f.stat().st_size != size:
             raise ValueError(f"{ckpt}: file {name} has {f.stat().st_size} bytes, manifest says {size}")
     return doc
+
+
+def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
+    """`read_manifest` plus every file's sha256 (checkpoints written before hashes were recorded
+    are checked by size only); ValueError naming the first damaged file."""
+    ckpt = Path(ckpt)
+    doc = read_manifest(ckpt)
+    for name, entry in doc["files"].items():
+        if isinstance(entry, dict) and "sha256" in entry and file_sha256(ckpt / name) != entry["sha256"]:
+            raise ValueError(f"{ckpt}: file {name} does not match the sha256 in {MANIFEST} (its bytes changed)")
+    return doc
+
+
+def resumable_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint under `root` that passes `verify_checkpoint`, or None; one line per
+    newer `step_*` directory passed over, naming what is wrong with it)."""
+    root = Path(root)
+    steps = sorted(((int(m.group(1)), d) for d in (root.iterdir() if root.is_dir() else ())
+                    if (m := _STEP_DIR.match(d.name)) and d.is_dir()), reverse=True)
+    problems = []
+    for _, d in steps:
+        try:
+            verify_checkpoint(d)
+        except (ValueError, OSError) as err:
+            problems.append(f"{d.name}: {err}")
+            continue
+        return d, problems
+    return None, problems
+
+
+def remove_leftovers(root: str | Path) -> list[Path]:
+    """Remove the temporary directories a killed save left under `root` (`.tmp-step_*`,
+    `.old-step_*`); call it only while no process is writing there. Returns what went."""
+    root = Path(root)
+    doomed = [d for d in (root.iterdir() if root.is_dir() else ()) if _LEFTOVER.match(d.name) and d.is_dir()]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -1,4 +1,9 @@
-"""Export: the inference bundle the estimators load — exactly `model.safetensors` + `config.json`."""
+"""Export: the inference bundle the estimators load — exactly `model.safetensors` + `config.json`.
+
+config.json records `weights_sha256`, the sha256 of model.safetensors; loading verifies it (a
+damaged or replaced weights file fails with an error naming it) and refuses non-finite weights,
+which an export never writes.
+"""
 from __future__ import annotations
 
 import json
@@ -9,9 +14,15 @@ import torch
 from torch import nn
 
 from .checkpoint import atomic_directory, unwrap_model
-from .state_io import load_weights, read_json, save_weights
+from .state_io import file_sha256, load_weights, read_json, save_weights
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+SHA256 = "weights_sha256"
+
+
+def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors of `state` holding NaN or infinity."""
+    return [k for k, v in state.items() if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all())]
 
 
 def export_model(model: nn.Module, out_dir: str | Path, config: dict[str, Any]) -> Path:
@@ -22,23 +33,42 @@ def export_model(model: nn.Module, out_dir: str | Path, config: dict[str, Any]) 
         others = sorted({p.name for p in out.iterdir()} - {WEIGHTS, CONFIG}) if out.is_dir() else [out.name]
         if others:
             raise ValueError(f"refusing to replace {out}: it holds other files {others[:5]}")
-    try:
-        config_text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"config must be a JSON-serialisable dict: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    try:
+        json.dumps(config, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config must be a JSON-serialisable dict: {e}") from None
+    state = unwrap_model(model).state_dict()
+    bad = non_finite(state)
+    if bad:
+        raise ValueError(f"refusing to export {out}: {len(bad)} weight tensors hold NaN or infinity ({bad[:5]}); "
+                         "the model diverged, export an earlier checkpoint (tabfm export RUN/checkpoints/step_N OUT)")
     with atomic_directory(out) as tmp:
-        save_weights(unwrap_model(model).state_dict(), tmp / WEIGHTS, metadata={"tabfm_export": "1"})
-        (tmp / CONFIG).write_text(config_text)
+        save_weights(state, tmp / WEIGHTS, metadata={"tabfm_export": "1"})
+        signed = {**config, SHA256: file_sha256(tmp / WEIGHTS)}
+        (tmp / CONFIG).write_text(json.dumps(signed, indent=2, sort_keys=True, allow_nan=False))
     return out
 
 
 def load_exported(out_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read an exported bundle: (state_dict of CPU tensors, config dict). Safetensors only."""
+    """Read an exported bundle: (state_dict of CPU tensors, config dict). Safetensors only; the
+    weights' sha256 is checked against config.json (bundles written before it was recorded load
+    unchecked) and non-finite weights are refused."""
     out = Path(out_dir)
     config_path = out / CONFIG
     config = read_json(config_path)
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object")
-    return load_weights(out / WEIGHTS), config
+    weights = out / WEIGHTS
+    want = config.get(SHA256)
+    if want is not None and weights.is_file():
+        got = file_sha256(weights)
+        if got != want:
+            raise ValueError(f"{weights} is damaged or was replaced: its sha256 is {got}, {config_path} records "
+                             f"{want}; export the model again (or restore the file)")
+    state = load_weights(weights)
+    bad = non_finite(state)
+    if bad:
+        raise ValueError(f"{weights}: {len(bad)} weight tensors hold NaN or infinity ({bad[:5]}); refusing to load them")
+    return state, config

@@ -12,6 +12,7 @@ Optimizer, scheduler and trainer state all go through this one mechanism.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -226,3 +227,12 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path}: alias {name!r} points to missing tensor {target!r}")
         tensors[name] = tensors[target]
     return tensors
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -10,6 +10,7 @@ import importlib
 import sys
 
 from tabfm import __version__
+from tabfm.errors import RunStopped
 
 # subcommand -> its summary; tabfm.commands.<name> exposes add_parser(subparsers) and run(args) -> int
 # and passes the same summary as its parser's help (tests/test_cli.py checks they agree)
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad input: one clear line, no traceback
         print(f"tabfm {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # a run that stopped for a stated reason (e.g. diverged)
+        print(f"tabfm {args.command}: stopped: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tabfm.parallel.checkpoint as ckpt_mod
+from tabfm.parallel.state_io import file_sha256
 from tabfm.parallel import (
     Booster,
     SingleProcessPlugin,
@@ -223,7 +224,10 @@ def test_checkpoint_layout_and_manifest(tmp_path):
     assert manifest["step"] == 2 and manifest["plugin"] == "single" and manifest["precision"] == "fp16"
     assert manifest["layout"] == {"world_size": 1, "dp": 1, "tp": 1, "sp": 1, "pp": 1}
     assert manifest["versions"]["torch"] == torch.__version__ and manifest["format_version"] == 1
-    assert manifest["files"] == {n: (path / n).stat().st_size for n in names if n != "manifest.json"}
+    from tabfm.parallel.state_io import file_sha256
+
+    assert manifest["files"] == {n: {"bytes": (path / n).stat().st_size, "sha256": file_sha256(path / n)}
+                                 for n in names if n != "manifest.json"}
     rng = load_file(str(path / "extra.safetensors"))
     assert rng["rng/torch"].dtype == torch.uint8
     assert json.loads((path / "optimizer.json").read_text())["state"]["loss_scaler"]["scale"] == 2.0**16
@@ -342,7 +346,7 @@ def test_export_round_trip_with_tied_weights(tmp_path):
     assert len(load_file(str(out / "model.safetensors"))) == 3  # the tied matrix is stored once
 
     state, loaded_config = load_exported(out)
-    assert loaded_config == config
+    assert loaded_config == {**config, "weights_sha256": file_sha256(out / "model.safetensors")}
     fresh = TiedLM()
     fresh.load_state_dict(state, strict=True)
     idx = torch.arange(10)

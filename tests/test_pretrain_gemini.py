@@ -107,6 +107,8 @@ def test_gemini_cli_run_resumes_from_its_checkpoint(single_resumed, tmp_path, mo
     (["--gemini-disk-dir", "/tmp/x"], "--gemini-disk-dir holds the optimizer state moved off device"),
     (["--optimizer", "muon"], "--optimizer adamw"),
     (["--gemini-budget-mib", "0.01"], "device budget"),  # too small for one module: the plugin's own message
+    pytest.param(["--gemini-device", "cuda"], "has no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ])
 def test_gemini_flag_errors_name_the_flag(flags, message, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

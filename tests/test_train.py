@@ -145,3 +145,35 @@ def test_cli_pretrain_packs_cells_into_tokens_and_exports_a_loadable_model(tmp_p
     assert proba.shape == (75, 3) and np.allclose(proba.sum(1), 1)
     with pytest.raises(ValueError, match="cells_per_token=3, this one has cells_per_token=1"):
         pretrain(smoke(steps=3, eval_batches=0), out, progress=False)
+
+
+def test_muon_adamw_equals_torch_muon_plus_adamw():
+    """MuonAdamW with bf16 Newton-Schulz steps exactly as torch.optim.Muon (hidden matrices) +
+    AdamW (the rest) stepped in turn; its state dict has torch's layout."""
+    import copy
+
+    from tabfm.train.optim import _groups
+
+    torch.manual_seed(0)
+    ours = TabFM(ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2))
+    ref = copy.deepcopy(ours)
+    opt = build_optimizer(ours, "muon", lr=1e-3, muon_lr=0.02)
+    for group in opt.param_groups:
+        group["ns_dtype"] = "bfloat16"
+    named = list(ref.named_parameters())
+    hidden = [p for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
+    rest = [(n, p) for n, p in named if all(p is not h for h in hidden)]
+    torch_opts = [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
+                  torch.optim.AdamW(_groups(rest, 0.01), lr=1e-3, betas=(0.9, 0.95))]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for a, b in zip(ours.parameters(), ref.parameters()):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        opt.step()
+        for o in torch_opts:
+            o.step()
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
+    state = opt.state_dict()
+    assert set(state) == {"state", "param_groups"} and any(g["muon"] for g in state["param_groups"])

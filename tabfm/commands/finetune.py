@@ -51,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
                    help="ZeRO stage for --plugin zero (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (the summary table is still printed)")
+    p.add_argument("--restart", action="store_true",
+                   help="start the run in --out over: remove its checkpoints and metrics first (a run resumes otherwise)")
     helps = {"init": "starting weights: shipped name or export directory (default tabfm-tiny)",
              "steps": "optimizer steps of the whole run (default 300)", "max_minutes": "time budget of this invocation",
              "lr": "peak learning rate (default 1e-4)", "replay": "share of batches from the synthetic prior (default 0)",
@@ -77,13 +79,13 @@ def config_from_args(args: argparse.Namespace) -> "FinetuneConfig":
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    main, result = _train(cfg, args.out, progress=not args.quiet)
+    main, result = _train(cfg, args.out, progress=not args.quiet, restart=args.restart)
     if main and args.quiet:
         print(result.table())
     return 0
 
 
-def _train(cfg: "FinetuneConfig", out: str, progress: bool) -> tuple[bool, "FinetuneResult"]:
+def _train(cfg: "FinetuneConfig", out: str, progress: bool, restart: bool = False) -> tuple[bool, "FinetuneResult"]:
     """Fine-tune in this process (one rank under torchrun); return (main process?, result).
 
     As `tabfm pretrain`: the process group is destroyed only after every object holding it is gone."""
@@ -95,7 +97,7 @@ def _train(cfg: "FinetuneConfig", out: str, progress: bool) -> tuple[bool, "Fine
     main = plugin.is_main_process
     finished = False
     try:
-        result = finetune(cfg, out, plugin=plugin, progress=progress)
+        result = finetune(cfg, out, plugin=plugin, progress=progress, restart=restart)
         finished = True
         return main, result
     except BaseException as err:

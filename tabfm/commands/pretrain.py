@@ -34,9 +34,11 @@ _FIELDS = {
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
     "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
-    "n_layers": int, "context_features": str, "microbatches": int,
+    "n_layers": int, "context_features": str, "microbatches": int, "max_bad_steps": int,
 }
 _HELP = {
+    "max_bad_steps": "steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run "
+                     "(default 10)",
     "microbatches": "cut each batch into M micro-batches of whole tables, losses averaged (default 1): with --pp "
                     "they stream through the stages (M >= PP), elsewhere they run in turn (activation memory / M)",
     "data": "train on a table store directory (tabfm synth --out, tabfm.data.store.write_table) instead of the "
@@ -78,8 +80,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(host, or disk with --gemini-disk-dir)")
     p.add_argument("--gemini-disk-dir", dest="gemini_disk_dir", default=None,
                    help="--plugin gemini: put the off-device optimizer state in files under DIR (removed at exit)")
+    p.add_argument("--gemini-device", dest="gemini_device", choices=("auto", "cpu", "cuda"), default=None,
+                   help="--plugin gemini: the device tier (default auto: CUDA when a GPU is visible, else CPU; "
+                        "cuda is refused where there is none)")
     p.add_argument("--no-sklearn-eval", action="store_true", help="skip the scikit-learn dataset evaluation")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--restart", action="store_true",
+                   help="start the run in --out over: remove its checkpoints and metrics first (a run resumes otherwise)")
     for name, typ in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kwargs = {"choices": OPTIMIZERS} if name == "optimizer" else {"choices": PRECISIONS} if name == "precision" \
@@ -108,13 +115,13 @@ def run(args: argparse.Namespace) -> int:
         overrides["eval_sklearn"] = False
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
-    main, result = _train(cfg, out, progress=not args.quiet)
+    main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart)
     if main:
         _summary(out, result)
     return 0
 
 
-def _train(cfg: PretrainConfig, out: str, progress: bool) -> tuple[bool, "TrainResult"]:
+def _train(cfg: PretrainConfig, out: str, progress: bool, restart: bool = False) -> tuple[bool, "TrainResult"]:
     """Run pretraining in this process (one rank under torchrun); return (main process?, result).
 
     The process group is torn down only after every object holding it (DDP's reducer, ...) is
@@ -128,7 +135,7 @@ def _train(cfg: PretrainConfig, out: str, progress: bool) -> tuple[bool, "TrainR
     main = plugin.is_main_process  # asks the process group, so before destroy()
     finished = False
     try:
-        result = pretrain(cfg, out, plugin=plugin, progress=progress)
+        result = pretrain(cfg, out, plugin=plugin, progress=progress, restart=restart)
         finished = True
         return main, result
     except BaseException as err:

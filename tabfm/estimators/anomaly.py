@@ -105,7 +105,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         """-(anomaly score) of each row: higher = more normal (sklearn convention)."""
         check_is_fitted(self, "folds_")
         _, x = self._encode(X)
-        return -self._scores(x)
+        return -self._finite(self._scores(x), "anomaly scores")
 
     def decision_function(self, X: Any) -> np.ndarray:
         """score_samples - offset_: negative for outliers."""

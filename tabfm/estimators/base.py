@@ -265,6 +265,15 @@ class TabFMEstimator(BaseEstimator):
                             chunk_size=self.chunk_size, device=rt.device, autocast_dtype=rt.autocast,
                             id_seed=rt.id_seed)
 
+    def _finite(self, values: np.ndarray, what: str) -> np.ndarray:
+        """`values` (the estimator's answer) if every entry is finite; otherwise refuse to answer."""
+        bad = int((~np.isfinite(np.asarray(values, dtype=float))).sum())
+        if bad:
+            raise ValueError(f"the model ({self.model!r}) gave NaN or infinity for {bad} {what}: its weights are damaged "
+                             "or the input holds values it cannot represent (check for extreme magnitudes); refusing "
+                             "to answer with them")
+        return values
+
     def _context(self, rt: Runtime, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray) -> ContextPredictor:
         """A context encoded once, for many `predict` calls (see tabfm.inference.ContextPredictor)."""
         return ContextPredictor(rt.model, context_x, kind, cardinality, rt.device, rt.autocast, rt.id_seed)

@@ -103,7 +103,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
             else:
                 probs = self._class_tree(rt.for_member(m), view, y, n)
             total += m.unpermute_classes(probs)
-        total = np.clip(total / len(members), 0.0, None)
+        total = np.clip(self._finite(total / len(members), "class probabilities"), 0.0, None)
         return total / total.sum(1, keepdims=True)
 
     def predict(self, X: Any) -> np.ndarray:

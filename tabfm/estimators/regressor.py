@@ -115,5 +115,5 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
                 y, shift = y - base_c[:, 0], base_q
             out = self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y)
             total += out.reshape(len(x), -1) + shift  # mean and every quantile move with the baseline
-        total /= len(members)
+        total = self._finite(total / len(members), "predictions")
         return total[:, 0], total[:, 1:]

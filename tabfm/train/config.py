@@ -39,6 +39,8 @@ class PretrainConfig:
     max_minutes    wall-clock budget of this invocation; on expiry it checkpoints and exports
     threads        torch intra-op threads (None: torch's default); on a busy 2-core machine 1 is fastest
     grad_accum     micro-batches per optimizer step
+    max_bad_steps  steps in a row with a non-finite loss or gradient norm (each skipped) that stop the
+                   run, after a checkpoint of the weights from before them
     microbatches   M: each batch holds a multiple of M tables and is cut into M equal micro-batches of
                    whole tables whose losses are averaged (gradient accumulation inside one batch);
                    with pp > 1 they stream through the pipeline stages (M >= pp), elsewhere they
@@ -58,7 +60,7 @@ class PretrainConfig:
     pp             plugin "hybrid": pipeline stages (the model's blocks cut into pp stages of equal
                    depth; the world / (tp x pp) remaining ranks are data parallel); with tp and with
                    dp, not (yet) with sp or grad_accum > 1 (raise `microbatches` instead)
-    gemini_budget_mib, gemini_placement, gemini_offload_optim, gemini_disk_dir
+    gemini_budget_mib, gemini_placement, gemini_offload_optim, gemini_disk_dir, gemini_device
                    plugin "gemini" (one process, or data parallel under torchrun with each chunk
                    sharded over the ranks): the device budget in MiB (None: unbounded, still
                    accounted); placement "static" (default: parameters on device, the last
@@ -66,7 +68,9 @@ class PretrainConfig:
                    "auto" (parameters homed on host and cached in the budget, optimizer state
                    moved into what the budget has left after the warm-up step); with
                    `gemini_disk_dir` the off-device optimizer state goes to disk files under that
-                   directory instead of host memory. Gemini steps AdamW only (not Muon).
+                   directory instead of host memory; `gemini_device` the device tier: "auto" (the
+                   default: CUDA when torch sees a GPU, else CPU), "cpu" or "cuda" (refused where
+                   there is none). Gemini steps AdamW only (not Muon).
 
     Batches are per data-parallel rank: every rank draws its own batch of about the stream's
     `cells_per_batch` cells per micro-batch (tables no other rank sees), so one optimizer step
@@ -95,6 +99,7 @@ class PretrainConfig:
     precision: str = "auto"
     grad_accum: int = 1
     microbatches: int = 1
+    max_bad_steps: int = 10
     seed: int = 0
     workers: int = 1
     log_every: int = 10
@@ -114,6 +119,7 @@ class PretrainConfig:
     gemini_placement: str | None = None
     gemini_offload_optim: float | None = None
     gemini_disk_dir: str | None = None
+    gemini_device: str | None = None
 
     PRESETS = {
         # stage 1 of the shipped tabfm-tiny: 31 min on 2 vCPU with --threads 1; stage 2 warm-starts
@@ -127,7 +133,8 @@ class PretrainConfig:
     }
 
     GEMINI_FLAGS = {"gemini_budget_mib": "--gemini-budget-mib", "gemini_placement": "--gemini-placement",
-                    "gemini_offload_optim": "--gemini-offload-optim", "gemini_disk_dir": "--gemini-disk-dir"}
+                    "gemini_offload_optim": "--gemini-offload-optim", "gemini_disk_dir": "--gemini-disk-dir",
+                    "gemini_device": "--gemini-device"}
 
     def _check_gemini(self, need: Any) -> None:
         """The gemini_* fields: each names its command-line flag when it is wrong."""
@@ -153,14 +160,23 @@ class PretrainConfig:
              f"{flag['gemini_disk_dir']} holds the optimizer state moved off device: give --gemini-offload-optim F > 0 "
              "(or --gemini-placement auto)")
         need(self.optimizer == "adamw", "optimizer", "--plugin gemini steps AdamW on its chunks; use --optimizer adamw")
-        need(self.device in (None, "cpu"), "device", "--plugin gemini keeps every tier in CPU memory (its device "
-             "tier is an accounted budget); leave --device unset or cpu")
+        need(self.device in (None, "cpu"), "device", "--plugin gemini picks its device tier with --gemini-device "
+             "(auto, cpu, cuda); leave --device unset or cpu")
+        need(self.gemini_device in (None, "auto", "cpu", "cuda"), "gemini_device", "must be auto, cpu or cuda")
+        if self.gemini_device == "cuda":
+            import torch
+
+            need(torch.cuda.is_available(), "gemini_device",
+                 f"--gemini-device cuda, but this torch ({torch.__version__}, "
+                 f"{'CPU-only build' if torch.version.cuda is None else 'no GPU visible'}) has no CUDA device; "
+                 "use --gemini-device cpu or auto")
 
     def gemini_options(self) -> dict[str, Any]:
         """GeminiPlugin keyword arguments of these gemini_* fields."""
         placement = self.gemini_placement or "static"
         frac = self.gemini_offload_optim or 0.0
         out: dict[str, Any] = {"placement": placement, "disk_dir": self.gemini_disk_dir,
+                               "device": self.gemini_device or "auto",
                                "device_budget_bytes": None if self.gemini_budget_mib is None
                                else int(self.gemini_budget_mib * (1 << 20))}
         if self.gemini_disk_dir is not None:
@@ -186,7 +202,7 @@ class PretrainConfig:
             if not ok:
                 raise ValueError(f"PretrainConfig.{name} = {getattr(self, name)!r}: {what}")
 
-        for name in ("steps", "grad_accum", "microbatches", "log_every", "eval_every", "ckpt_every", "keep_last", "cells_per_token"):
+        for name in ("steps", "grad_accum", "microbatches", "max_bad_steps", "log_every", "eval_every", "ckpt_every", "keep_last", "cells_per_token"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         need(self.n_layers is None or (isinstance(self.n_layers, int) and self.n_layers >= 1), "n_layers",
              "must be None (the preset's) or an integer >= 1")

@@ -47,7 +47,7 @@ from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.train.config import PLUGINS, PRECISIONS, resolve_precision
 from tabfm.train.optim import OPTIMIZERS, build_optimizer, warmup_cosine
-from tabfm.train.pretrain import TRAIN_CONFIG, announce_resume, build_plugin, export_config, warm_start
+from tabfm.train.pretrain import TRAIN_CONFIG, announce_resume, build_plugin, export_config, start_over, warm_start
 from tabfm.train.trainer import Trainer, TrainResult
 
 SUMMARY_FILE = "finetune_summary.json"
@@ -543,13 +543,13 @@ def _tables_info(tables: list[FinetuneTable]) -> list[dict[str, Any]]:
 
 
 def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin: Plugin | None = None,
-             progress: bool = True) -> FinetuneResult:
+             progress: bool = True, restart: bool = False) -> FinetuneResult:
     """Fine-tune (or resume, when out_dir holds checkpoints), export the best weights to out_dir/export,
     write out_dir/finetune_summary.json and return the result.
 
     `data` overrides `cfg.data` (a path, DataFrame, {name: DataFrame} or list: whatever
-    `tabfm.data.readers.read_tables` reads). `plugin` defaults to `build_plugin(cfg)`. Under torchrun
-    call this on every rank."""
+    `tabfm.data.readers.read_tables` reads). `plugin` defaults to `build_plugin(cfg)`. `restart`
+    removes out_dir's checkpoints and logs first. Under torchrun call this on every rank."""
     start = time.perf_counter()
     out = Path(out_dir)
     source = data if data is not None else cfg.data
@@ -564,7 +564,12 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     tables = load_tables(source, cfg)  # every rank reads and splits the same way
     model_cfg, preset = _init_model(cfg.init)
     record = _run_record(cfg, source, tables, preset)
-    _check_same_run(out, record)  # every rank reads the old train_config.json ...
+    if restart:
+        if main:
+            for p in start_over(out):
+                print(f"--restart: removed {p}", flush=True)
+    else:
+        _check_same_run(out, record)  # every rank reads the old train_config.json ...
     barrier()  # ... before the main process replaces it
     if main:
         out.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,10 @@ def _drop_partial_line(path: Path) -> None:
 class MetricsLog:
     """Append-only JSONL metrics (`metrics.jsonl`); TensorBoard scalars under `tb/` if available.
 
-    One writer per run: under torchrun only the main process opens it. A resumed run appends
-    (a "resume" record marks where), so steps redone after a crash appear twice."""
+    One writer per run: under torchrun only the main process opens it. A resumed run first drops
+    the records after the step it resumes from (`truncate_after`: steps redone after a crash are
+    logged once), then appends (a "resume" record marks where). TensorBoard event files are only
+    appended to; their viewers show the redone steps' latest values."""
 
     def __init__(self, out_dir: str | Path, tensorboard: bool = True) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -45,6 +47,17 @@ class MetricsLog:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the records of steps after `step` (rewritten atomically); return how many went."""
+        self._file.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(self.path)
+        self._file = self.path.open("a", encoding="utf-8")
+        return len([line for line in lines if line.strip()]) - len(kept)
 
     def close(self) -> None:
         self._file.close()

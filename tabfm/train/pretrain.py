@@ -60,7 +60,13 @@ def build_plugin(cfg: PretrainConfig) -> Plugin:
 
         if world is not None:
             launch()
-        return GeminiPlugin(**cfg.gemini_options())
+        options = cfg.gemini_options()
+        if options["device"] != "cpu" and os.environ.get("LOCAL_RANK") is not None:
+            import torch
+
+            if torch.cuda.is_available():  # one GPU per local rank
+                options["device"] = f"cuda:{os.environ['LOCAL_RANK']}"
+        return GeminiPlugin(**options)
     if cfg.plugin == "single":
         if world is not None and int(world) > 1:
             raise ValueError(f"--plugin single under torchrun with WORLD_SIZE={world}: every process would train "
@@ -182,13 +188,30 @@ def warm_start(model: TabFM, init: str) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = None, progress: bool = True) -> TrainResult:
+def start_over(out: Path) -> list[Path]:
+    """Remove a run's checkpoints and logs (`--restart`: starting over on purpose); return what went."""
+    import shutil
+
+    gone = [p for p in (out / "checkpoints", out / "metrics.jsonl", out / "tb") if p.exists()]
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return gone
+
+
+def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = None, progress: bool = True,
+             restart: bool = False) -> TrainResult:
     """Pretrain (or resume, when out_dir holds checkpoints) and export to out_dir/export.
 
-    `plugin` defaults to `build_plugin(cfg)`. Under torchrun call this on every rank."""
+    `plugin` defaults to `build_plugin(cfg)`. `restart` removes out_dir's checkpoints and logs
+    first (a run that must not resume). Under torchrun call this on every rank."""
     out = Path(out_dir)
     plug = plugin if plugin is not None else build_plugin(cfg)
     main = plug.is_main_process
+    if restart:
+        if main:
+            for p in start_over(out):
+                print(f"--restart: removed {p}", flush=True)
+        barrier()
     model_cfg = run_model_config(cfg)
     stream_cfg = StreamConfig.preset(cfg.stream, context_features=cfg.context_features,
                                      table_multiple=cfg.microbatches)
@@ -197,7 +220,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         headers = open_store(cfg.data)
         store = {"path": str(Path(cfg.data).resolve()), "fingerprint": store_fingerprint(headers),
                  "tables": len(headers)}
-    _check_same_run(out, cfg, store)  # every rank reads the old train_config.json ...
+    if not restart:
+        _check_same_run(out, cfg, store)  # every rank reads the old train_config.json ...
     barrier()  # ... before the main process replaces it
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -243,6 +267,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators=evaluators, eval_every=cfg.eval_every,
         export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress, seed=cfg.seed,
+        max_bad_steps=cfg.max_bad_steps,
     )
     if main and progress and cfg.data is not None:
         print(f"pretrain {out}: table store {store['path']}, {store['tables']} tables, {data.batches_per_epoch} "

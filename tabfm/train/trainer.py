@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -23,7 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
-from tabfm.parallel import Booster, checkpoint_dir, latest_checkpoint, seed_for_rank
+from tabfm.parallel import Booster, checkpoint_dir, seed_for_rank
+from tabfm.parallel.checkpoint import read_manifest, remove_leftovers, resumable_checkpoint
+from tabfm.errors import RunDiverged
 from tabfm.train.metrics_log import MetricsLog
 
 Evaluator = Callable[[nn.Module], dict[str, float]]
@@ -122,6 +125,7 @@ class Trainer:
         export_config: dict[str, Any] | None = None,
         progress: bool = True,
         seed: int | None = None,
+        max_bad_steps: int = 10,
     ) -> None:
         self.booster, self.model, self.optimizer, self.scheduler = booster, model, optimizer, scheduler
         self.criterion, self.data = criterion, data
@@ -134,6 +138,7 @@ class Trainer:
         self.evaluators = evaluators or {}
         self.export_config = export_config
         self.seed = seed
+        self.max_bad_steps, self.bad_steps, self.bad_in_row = max_bad_steps, 0, 0
         self.ranks = Ranks(booster.plugin.dp_world_size, booster.device)
         self.is_main = booster.plugin.is_main_process
         self.progress = progress and self.is_main
@@ -158,20 +163,40 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def resume(self) -> int:
-        """Load the newest complete checkpoint under out_dir, if any; return the step reached.
+        """Load the newest checkpoint under out_dir that passes its manifest's sizes and sha256s,
+        if any; return the step reached.
 
-        Collective: every rank must find the same checkpoint (one shared --out directory)."""
-        ckpt = latest_checkpoint(self.ckpt_root)
-        seen = self.ranks.gather_json(None if ckpt is None else ckpt.name)
-        if len(set(seen)) > 1:
-            raise RuntimeError(f"ranks see different latest checkpoints under {self.ckpt_root} (by rank: {seen}); "
-                               "every rank must read the same --out directory (a shared filesystem across nodes)")
-        if ckpt is None:
+        A damaged newer checkpoint is passed over with a warning naming what is wrong; a run
+        directory whose checkpoints are all damaged is refused (ValueError: `--restart` starts
+        over on purpose), never silently restarted. Leftovers of a killed save are removed and
+        the metrics log loses the records after the resumed step, so no step is logged twice.
+        Collective: the main process verifies and decides, every rank loads that checkpoint
+        (one shared --out directory)."""
+        chosen, problems = resumable_checkpoint(self.ckpt_root) if self.is_main else (None, [])
+        if self.is_main:
+            for leftover in remove_leftovers(self.ckpt_root):
+                print(f"removed {leftover}: a checkpoint save that never finished", flush=True)
+        name = self.ranks.gather_json(None if chosen is None else chosen.name)[0]
+        problems = self.ranks.gather_json(problems)[0]
+        if name is None and problems:
+            raise ValueError(f"{self.ckpt_root} holds checkpoints but none is intact, so the run cannot resume: "
+                             + "; ".join(problems) + ". Restore them, or pass --restart to start the run over")
+        for problem in problems if self.is_main else ():
+            warnings.warn(f"skipping damaged checkpoint {problem}; resuming from {name}", stacklevel=2)
+        if name is None:
             return 0
+        ckpt = self.ckpt_root / name
+        try:
+            read_manifest(ckpt)
+        except ValueError as err:
+            raise RuntimeError(f"rank {self.ranks.rank} cannot read the checkpoint the main process chose ({err}); "
+                               "every rank must read the same --out directory (a shared filesystem across nodes)")
         extra = self.booster.load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, lr_scheduler=self.scheduler)
         self.step, self.cells = int(extra["step"]), int(extra.get("cells", 0))
         self.data.load_state_dict(self._own_data_state(extra, ckpt))
         self.resumed_from = ckpt
+        if self.log is not None:
+            self.log.truncate_after(self.step)
         return self.step
 
     def _own_data_state(self, extra: dict[str, Any], ckpt: Path) -> dict[str, Any]:
@@ -247,9 +272,35 @@ class Trainer:
                 output = self.model(part)
                 loss, metrics = self.criterion(output, part)
                 self.booster.backward(loss / (self.grad_accum * m), self.optimizer)
-            for k, v in {"loss": float(loss.detach()), **metrics}.items():
+            for k, v in {**metrics, "loss": float(loss.detach())}.items():
                 parts.setdefault(k, []).append(float(v))
         return {k: _finite_mean(v) for k, v in parts.items()}
+
+    def _non_finite(self, loss: float, grad_norm: float) -> bool:
+        """Collective: whether any rank's loss or the global gradient norm is NaN or infinite; then
+        the step is skipped (gradients dropped, weights and schedule untouched), counted and logged.
+        `max_bad_steps` in a row stop the run (RunDiverged) after a checkpoint of the weights from
+        before the divergence. Under fp16 the loss scaler owns infinite gradients (it skips the
+        step and lowers the scale), so only the loss counts there."""
+        fp16 = self.booster.precision.dtype == "fp16"
+        bad = self.ranks.any(not math.isfinite(loss) or (not fp16 and not math.isfinite(grad_norm)))
+        if not bad:
+            self.bad_in_row = 0
+            return False
+        self.optimizer.zero_grad()
+        self.bad_steps += 1
+        self.bad_in_row += 1
+        self.record("skipped", {"loss": loss, "grad_norm": grad_norm, "in_a_row": self.bad_in_row,
+                                "skipped_steps": self.bad_steps})
+        if self.progress:
+            tqdm.write(f"step {self.step + 1}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not finite, step skipped "
+                       f"({self.bad_in_row} in a row, {self.bad_steps} in all)")
+        if self.bad_in_row >= self.max_bad_steps:
+            ckpt = self.save()
+            raise RunDiverged(f"{self.bad_in_row} steps in a row had a non-finite loss or gradient norm (last: loss "
+                              f"{loss:.4g}, gradient norm {grad_norm:.4g}) after step {self.step}; stopped. {ckpt} holds "
+                              "the weights from before; resume from it with a lower --lr, or raise --max-bad-steps")
+        return True
 
     def _seed_micro_batch(self, i: int) -> None:
         """Seed torch's RNG (the model's random column identities) from (seed, step, global
@@ -286,14 +337,18 @@ class Trainer:
             if deadline is not None and self.ranks.any(time.perf_counter() >= deadline):
                 stopped = "time"
                 break
+            step_loss = 0.0
             for i in range(self.grad_accum):
                 self._seed_micro_batch(i)
                 batch = next(batches).to(self.booster.device)
                 cells = batch.num_cells
                 for k, v in self._micro_step(batch, last=i == self.grad_accum - 1).items():
                     window.setdefault(k, []).append(v)
+                    step_loss += v if k == "loss" else 0.0
                 self._unsynced_cells += cells
             grad_norm = self.booster.clip_grad_norm_(self.optimizer, self.clip if self.clip else math.inf)
+            if self._non_finite(step_loss, float(grad_norm)):
+                continue
             self.optimizer.step()
             self.optimizer.zero_grad()
             self.scheduler.step()

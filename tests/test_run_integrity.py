@@ -1,0 +1,193 @@
+"""Faults a long run meets, made the way they happen: a truncated, garbled or overwritten
+checkpoint, a kill mid-save, flipped bytes in an export, NaN losses. Each is met with a resume
+from the newest intact checkpoint (with a warning), a refusal that names the file, or a skipped
+step, never a silent restart from step 0 or a NaN model."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tabfm.cli import main
+from tabfm.parallel import load_exported
+from tabfm.parallel.checkpoint import verify_checkpoint
+from tabfm.parallel.state_io import file_sha256, save_weights
+from tabfm.train.metrics_log import read_metrics
+
+FLAGS = ["--preset", "smoke", "--steps", "4", "--ckpt-every", "2", "--log-every", "1", "--eval-batches", "0",
+         "--quiet", "--threads", "1"]
+
+
+def train(out: Path, *extra: str) -> int:
+    return main(["pretrain", *FLAGS, "--out", str(out), *extra])
+
+
+def train_steps(out: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def flip(path: Path, offset: int = 4096, count: int = 64) -> None:
+    """Overwrite `count` bytes in the middle of a file (same size: only a hash can tell)."""
+    data = bytearray(path.read_bytes())
+    start = min(offset, len(data) - count)
+    data[start:start + count] = bytes(255 - b for b in data[start:start + count])
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("integrity") / "run"
+    assert train(out) == 0
+    return out
+
+
+def test_manifest_records_every_file_with_its_sha256(uninterrupted):
+    ckpt = uninterrupted / "checkpoints" / "step_000004"
+    doc = verify_checkpoint(ckpt)
+    assert {"model.safetensors", "optimizer.json", "extra.json"} <= doc["files"].keys()
+    for name, entry in doc["files"].items():
+        assert entry == {"bytes": (ckpt / name).stat().st_size, "sha256": file_sha256(ckpt / name)}
+    config = json.loads((uninterrupted / "export" / "config.json").read_text())
+    assert config["weights_sha256"] == file_sha256(uninterrupted / "export" / "model.safetensors")
+
+
+def test_damaged_newest_checkpoint_resumes_from_the_one_before(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "export")
+    flip(out / "checkpoints" / "step_000004" / "model.safetensors")  # same size: bytes changed
+    (out / "checkpoints" / ".tmp-step_000006-123").mkdir()  # what a kill mid-save leaves
+    with pytest.warns(UserWarning, match=r"step_000004: .*model.safetensors does not match the sha256"):
+        assert train(out, "--steps", "5") == 0
+    assert not (out / "checkpoints" / ".tmp-step_000006-123").exists()
+    assert train_steps(out) == [1, 2, 3, 4, 5]  # steps 3, 4 redone from step 2 and logged once
+    assert [r["checkpoint"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "resume"] == ["step_000002"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no-manifest", "garbled-manifest"])
+def test_only_checkpoint_damaged_is_refused_and_restart_starts_over(uninterrupted, tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    for old in ("step_000002",):
+        shutil.rmtree(out / "checkpoints" / old)
+    ckpt = out / "checkpoints" / "step_000004"
+    if damage == "truncate":
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "no-manifest":
+        (ckpt / "manifest.json").unlink()
+    else:
+        (ckpt / "manifest.json").write_text("{not json")
+    before = (out / "metrics.jsonl").read_text()
+    assert train(out, "--steps", "6") == 2
+    err = capsys.readouterr().err
+    assert "none is intact" in err and "step_000004" in err and "--restart" in err
+    assert (out / "metrics.jsonl").read_text() == before  # nothing trained, nothing logged
+    assert train(out, "--restart") == 0
+    assert train_steps(out) == [1, 2, 3, 4]
+    for k, v in load_file(uninterrupted / "export" / "model.safetensors").items():
+        assert torch.equal(load_file(out / "export" / "model.safetensors")[k], v), k
+
+
+def test_export_with_changed_bytes_is_refused_by_name(uninterrupted, tmp_path):
+    from tabfm.estimators import TabFMClassifier
+
+    export = tmp_path / "export"
+    shutil.copytree(uninterrupted / "export", export)
+    flip(export / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors is damaged or was replaced"):
+        load_exported(export)
+    X, y = np.random.default_rng(0).normal(size=(30, 3)), np.arange(30) % 2
+    with pytest.raises(ValueError, match="damaged"):
+        TabFMClassifier(model=str(export)).fit(X[:20], y[:20]).predict(X[20:])
+
+
+def test_shipped_weights_carry_and_pass_their_sha256():
+    from tabfm.weights import SHIPPED_MODELS, resolve_model_path
+
+    for name in SHIPPED_MODELS:
+        path = resolve_model_path(name)
+        assert json.loads((path / "config.json").read_text())["weights_sha256"] == file_sha256(path / "model.safetensors")
+        load_exported(path)
+
+
+def test_non_finite_weights_are_never_exported_nor_loaded(uninterrupted, tmp_path):
+    from tabfm.parallel import export_model
+
+    state, config = load_exported(uninterrupted / "export")
+    poisoned = {k: v.clone() for k, v in state.items()}
+    key = next(k for k, v in poisoned.items() if v.is_floating_point() and v.numel())
+    poisoned[key].view(-1)[0] = float("nan")
+    holder = torch.nn.Module()
+    holder.state_dict = lambda: poisoned  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=f"NaN or infinity.*{key}"):
+        export_model(holder, tmp_path / "nan-export", config)
+    assert not (tmp_path / "nan-export").exists()
+    # a bundle someone else wrote with NaN inside (and a matching hash) is refused on load
+    bundle = tmp_path / "foreign"
+    bundle.mkdir()
+    save_weights(poisoned, bundle / "model.safetensors")
+    (bundle / "config.json").write_text(json.dumps({**config, "weights_sha256": file_sha256(bundle / "model.safetensors")}))
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        load_exported(bundle)
+
+
+def _nan_loss_at(monkeypatch, bad_calls: set[int] | None):
+    """Make the training criterion return NaN on the given calls (None: every call)."""
+    import tabfm.train.pretrain as pretrain_module
+
+    real = pretrain_module.masked_cell_loss
+    calls = {"n": 0}
+
+    def loss(output, batch):
+        calls["n"] += 1
+        value, metrics = real(output, batch)
+        if bad_calls is None or calls["n"] in bad_calls:
+            value = value * float("nan")
+        return value, metrics
+
+    monkeypatch.setattr(pretrain_module, "masked_cell_loss", loss)
+
+
+def test_a_nan_step_is_skipped_counted_and_logged(tmp_path, monkeypatch):
+    _nan_loss_at(monkeypatch, {2})
+    out = tmp_path / "run"
+    assert train(out) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    skipped = [r for r in records if r["kind"] == "skipped"]
+    assert len(skipped) == 1 and skipped[0]["step"] == 1 and skipped[0]["loss"] is None
+    assert train_steps(out) == [1, 2, 3, 4]  # the step was redone on the next batch
+    state, _ = load_exported(out / "export")
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_diverged_run_stops_with_a_checkpoint_from_before(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--steps", "2") == 0  # two good steps, checkpoint at step 2
+    good = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
+    _nan_loss_at(monkeypatch, None)
+    assert train(out, "--max-bad-steps", "3") == 1
+    err = capsys.readouterr().err
+    assert "3 steps in a row had a non-finite loss" in err and "step_000002" in err
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "skipped"] == [2, 2, 2]
+    after = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
+    for k, v in good.items():
+        assert torch.equal(after[k], v), k
+
+
+def test_estimator_refuses_non_finite_model_outputs():
+    from tabfm.estimators import TabFMClassifier
+    from tabfm.weights import load_model
+
+    model = load_model("tabfm-tiny")
+    with torch.no_grad():
+        model.norm.weight.fill_(float("nan"))
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(40, 3)), np.arange(40) % 2
+    with pytest.raises(ValueError, match="gave NaN or infinity for .* class probabilities"):
+        TabFMClassifier(model=model, n_estimators=1).fit(X[:30], y[:30]).predict_proba(X[30:])
