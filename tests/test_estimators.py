@@ -605,6 +605,8 @@ def test_cli_predict(cli_main, export_dir, tmp_path, capsys):
     np.testing.assert_allclose(pd.read_csv(out).iloc[:, 1:].to_numpy(), want, atol=1e-6)
     assert cli_main([*args, "--n-neighbors", "5,x"]) == 2
     assert "--n-neighbors" in capsys.readouterr().err
+    assert cli_main([*args, "--out", str(tmp_path)]) == 2  # checked before any prediction
+    assert "is a directory" in capsys.readouterr().err
 
     X.assign(target=X["a"] * 3).to_csv(tmp_path / "reg.csv", index=False)
     assert cli_main(["predict", "--model", export_dir, "--train", str(tmp_path / "reg.csv"), "--test",

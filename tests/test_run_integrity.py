@@ -191,3 +191,20 @@ def test_estimator_refuses_non_finite_model_outputs():
     X, y = rng.normal(size=(40, 3)), np.arange(40) % 2
     with pytest.raises(ValueError, match="gave NaN or infinity for .* class probabilities"):
         TabFMClassifier(model=model, n_estimators=1).fit(X[:30], y[:30]).predict_proba(X[30:])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_estimator_on_a_missing_cuda_device_says_so():
+    from tabfm.estimators import TabFMClassifier
+
+    X, y = np.random.default_rng(0).normal(size=(20, 2)), np.arange(20) % 2
+    with pytest.raises(ValueError, match="device='cuda'.*has no CUDA device"):
+        TabFMClassifier(device="cuda", n_estimators=1).fit(X, y).predict(X)
+
+
+def test_corrupt_train_config_is_named(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_config.json").write_text('{"model": "tiny", ')
+    assert train(out) == 2
+    assert f"{out / 'train_config.json'}: invalid JSON" in capsys.readouterr().err

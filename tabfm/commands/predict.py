@@ -11,6 +11,7 @@ When the test CSV holds the target column too, it is dropped from the inputs and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,6 +80,15 @@ def run(args: argparse.Namespace) -> int:
     from tabfm.estimators import TabFMClassifier, TabFMRegressor
     from tabfm.weights import ModelNotFoundError
 
+    if args.out:  # before any work: a path that cannot be written fails now, not after the predictions
+        target = Path(args.out)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--out {args.out}: cannot create its directory ({err.strerror})") from None
+        if target.is_dir() or not os.access(target.parent, os.W_OK):
+            raise ValueError(f"--out {args.out}: " + ("is a directory; give a file path" if target.is_dir()
+                                                       else f"{target.parent} is not writable"))
     train, test = read_csv(args.train), read_csv(args.test)
     if args.target not in train.columns:
         raise ValueError(f"target column {args.target!r} is not in {args.train} (columns: {list(train.columns)})")

@@ -154,6 +154,10 @@ class TabFMEstimator(BaseEstimator):
         self._check_params()
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" \
             else torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}, but this torch ({torch.__version__}, "
+                             f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}) has no CUDA "
+                             "device; use device='cpu' or 'auto'")
         if isinstance(self.model, nn.Module):
             model = self.model.to(device)
         else:

@@ -43,6 +43,7 @@ from tabfm.data.table_episodes import (
 )
 from tabfm.parallel import Booster, Plugin, latest_checkpoint
 from tabfm.parallel.launch import barrier
+from tabfm.parallel.state_io import read_json
 from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.train.config import PLUGINS, PRECISIONS, resolve_precision
@@ -519,7 +520,7 @@ def _check_same_run(out: Path, record: dict[str, Any]) -> None:
     path = out / TRAIN_CONFIG
     if not path.exists():
         return
-    saved = json.loads(path.read_text())
+    saved = read_json(path)
     if saved.get("recipe") != "finetune":
         raise ValueError(f"{out} holds a run that is not a fine-tuning run; use another --out")
 

@@ -26,6 +26,7 @@ from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoi
 from tabfm.parallel.checkpoint import MANIFEST, read_manifest
 from tabfm.parallel.export import export_model
 from tabfm.parallel.launch import barrier, launch
+from tabfm.parallel.state_io import read_json
 from tabfm.data.store_episodes import StoreEpisodes, open_store, store_fingerprint
 from tabfm.data.table_episodes import EpisodeConfig
 from tabfm.synth.dataset import SynthDataset, SynthLoader
@@ -111,7 +112,7 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     "sharded" DCP shards) and reshards on load (a store run keeps its data-parallel ranks)."""
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
+        saved = read_json(saved_path)
         defaults = {"cells_per_token": 1, "context_features": "none", "microbatches": 1}
         for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer", "context_features",
                     "microbatches"):
@@ -234,6 +235,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)  # the same initial model on every rank
     model = TabFM(model_cfg)
+    n_params = sum(p.numel() for p in model.parameters())
     if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
         warm_start(model, cfg.init)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
@@ -278,8 +280,13 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     if main and progress and plug.layout().get("tp", 1) * plug.layout().get("sp", 1) > 1:
         layout = plug.layout()
         print(f"pretrain {out}: each table split over tp={layout['tp']} x sp={layout['sp']} ranks", flush=True)
-    if trainer.resume():
+    resumed = trainer.resume()
+    if resumed:
         announce_resume(out, trainer, plug)
+    if main and progress:
+        print(f"pretrain {out}: {f'resumed at step {trainer.step}' if resumed else 'fresh run'} of {cfg.steps} steps; "
+              f"plugin {plug.name}, {_world_size()} process(es); model {cfg.model} ({n_params / 1e6:.2f}M parameters, "
+              f"{model_cfg.n_layers} blocks, d_model {model_cfg.d_model}); {cfg.optimizer}, {precision}", flush=True)
     return trainer.fit()
 
 
@@ -327,7 +334,7 @@ def run_train_config(ckpt: Path, train_config: str | Path | None = None) -> dict
                                                                        ckpt.parent / TRAIN_CONFIG]
     for path in candidates:
         if path.is_file():
-            saved = json.loads(path.read_text())
+            saved = read_json(path)
             if not isinstance(saved, dict) or not isinstance(saved.get("model"), str):
                 raise ValueError(f"{path}: not a pretraining train_config.json (no model preset name)")
             return saved

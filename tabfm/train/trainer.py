@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ class Trainer:
         self.ranks = Ranks(booster.plugin.dp_world_size, booster.device)
         self.is_main = booster.plugin.is_main_process
         self.progress = progress and self.is_main
+        # outside a terminal a redrawn bar is noise in a log file: plain lines every log step instead
+        self.plain_log = self.progress and not sys.stderr.isatty()
         self.step = 0
         self.cells = 0  # global: summed over data-parallel ranks at every log step and checkpoint
         self._unsynced_cells = 0  # this rank's cells since the last sum
@@ -246,6 +249,10 @@ class Trainer:
                 module.train(was_training)
         if results:
             self.record("eval", results)
+            if self.progress:
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in results.items()
+                                  if k.endswith(("/loss", "/mean_auc", "/cat_acc")) or k == "holdout/score")
+                tqdm.write(f"step {self.step} eval: {shown or ', '.join(f'{k} {v:.4f}' for k, v in results.items())}")
         return results
 
     # -------------------------------------------------------------------- loop
@@ -331,7 +338,8 @@ class Trainer:
         evals: dict[str, float] = {}
         stopped = "steps"
         saved_at = -1
-        bar = tqdm(total=self.steps, initial=self.step, disable=not self.progress, desc="train", dynamic_ncols=True)
+        bar = tqdm(total=self.steps, initial=self.step, disable=not self.progress or self.plain_log, desc="train",
+                   dynamic_ncols=True)
         self.model.train()
         while self.step < self.steps:
             if deadline is not None and self.ranks.any(time.perf_counter() >= deadline):
@@ -362,6 +370,9 @@ class Trainer:
                             cells_per_s=window_cells / dt, elapsed_s=time.perf_counter() - start)
                 self.record("train", last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", cells_s=f"{last['cells_per_s']:.0f}")
+                if self.plain_log:
+                    print(f"step {self.step}/{self.steps}  loss {last['loss']:.4f}  lr {last['lr']:.3g}  "
+                          f"cells/s {last['cells_per_s']:.0f}  elapsed {last['elapsed_s'] / 60:.1f} min", flush=True)
                 window, window_cells, window_t0 = {}, 0, time.perf_counter()
             if self.evaluators and self.step % self.eval_every == 0:
                 evals = self.evaluate()
