@@ -208,3 +208,56 @@ def test_corrupt_train_config_is_named(tmp_path, capsys):
     (out / "train_config.json").write_text('{"model": "tiny", ')
     assert train(out) == 2
     assert f"{out / 'train_config.json'}: invalid JSON" in capsys.readouterr().err
+
+
+def test_a_continuous_looking_target_is_refused_by_the_classifier_with_a_hint(tmp_path, capsys):
+    import pandas as pd
+
+    from tabfm.estimators import TabFMClassifier
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 2))
+    y = rng.integers(0, 187, size=300)  # 187 "classes": a count, not a label
+    with pytest.raises(ValueError, match=r"distinct numeric values, more than max_classes=100.*TabFMRegressor"):
+        TabFMClassifier(n_estimators=1).fit(X, y)
+    with pytest.warns(UserWarning, match=r"multiclass='ovr' runs \d+ passes per ensemble member"):
+        TabFMClassifier(n_estimators=1, max_classes=200).fit(X, y)
+    frame = pd.DataFrame(X, columns=["a", "b"]).assign(y=y)
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    assert main(["predict", "--train", str(tmp_path / "t.csv"), "--test", str(tmp_path / "t.csv"), "--target", "y",
+                 "--task", "classification"]) == 2
+    assert "--task regression" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_soak_ten_kills_end_on_the_uninterrupted_weights(tmp_path):
+    """`tabfm pretrain` SIGKILLed at 10 random moments in a row (startup, mid-step, mid-save), then
+    run to the end: the weights of one uninterrupted run, every step logged once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    flags = ["--preset", "smoke", "--steps", "24", "--ckpt-every", "1", "--log-every", "1", "--eval-batches", "0",
+             "--quiet", "--threads", "1"]
+    assert main(["pretrain", *flags, "--out", str(tmp_path / "whole")]) == 0
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tabfm.cli", "pretrain", *flags, "--out", str(tmp_path / "killed")]
+    rng = np.random.default_rng(7)
+    kills = 0
+    for _ in range(10):
+        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(float(rng.uniform(2.0, 6.0)))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait(60)
+    assert kills >= 5, "the runs finished before most kills: lengthen the run"
+    assert subprocess.run(cmd, cwd=repo, env=env, capture_output=True, timeout=300).returncode == 0
+    assert train_steps(tmp_path / "killed") == list(range(1, 25))
+    want = load_file(tmp_path / "whole" / "export" / "model.safetensors")
+    got = load_file(tmp_path / "killed" / "export" / "model.safetensors")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

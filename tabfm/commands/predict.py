@@ -46,6 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="leave out the linear-model feature column (default: on)")
     p.add_argument("--no-linear-residual", dest="linear_residual", action="store_false",
                    help="regression: predict the target itself, not a ridge regression's residual (default: residual)")
+    p.add_argument("--max-classes", type=int, default=100,
+                   help="classification: refuse a numeric target with more distinct values (default 100: such a "
+                        "target is a quantity, use --task regression); raise it to classify anyway")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     return p
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                   n_neighbors=sizes, linear_features=args.linear_features)
     if not args.linear_residual and task == "classification":
         raise ValueError("--no-linear-residual applies to regression only")
-    est = TabFMClassifier(**params) if task == "classification" else TabFMRegressor(**params,
+    est = TabFMClassifier(**params, max_classes=args.max_classes) if task == "classification" else TabFMRegressor(**params,
                                                                                   linear_residual=args.linear_residual)
     try:
         est.fit(train, y)

@@ -36,6 +36,7 @@ from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_M
 
 
 ODDS_CLIP = 1e-6  # P(c against the rest) is kept in [1e-6, 1 - 1e-6] before it becomes odds
+OVR_COST_WARNING = 20  # above this many classes "ovr" warns that it runs one pass per class
 
 
 def _probs_fn(n_classes: int):
@@ -56,6 +57,8 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  the model the share of its class(es) among every row's k nearest context rows.
     linear_features  each task also shows the model a logistic regression's logit of its class(es),
                  fitted on the context rows (default True).
+    max_classes  fit refuses a numeric y with more distinct values than this (default 100): such a
+                 target is almost always a quantity to regress (TabFMRegressor); raise it to classify.
     Other parameters: see SupervisedTabFMEstimator and TabFMEstimator.
     """
 
@@ -65,12 +68,13 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
-                 multiclass: str = "ovr") -> None:
+                 multiclass: str = "ovr", max_classes: int = 100) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
                          linear_features=linear_features)
         self.multiclass = multiclass
+        self.max_classes = max_classes
 
     def fit(self, X: Any, y: Any) -> "TabFMClassifier":
         frame = self._fit_table(X)
@@ -80,9 +84,20 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
             self.classes_, self.y_ = np.unique(y, return_inverse=True)
         except TypeError as err:
             raise ValueError(f"y mixes label types that cannot be sorted ({err}); use one type of label") from None
-        if len(self.classes_) == 1:
+        n = len(self.classes_)
+        if not isinstance(self.max_classes, (int, np.integer)) or isinstance(self.max_classes, bool) or self.max_classes < 2:
+            raise ValueError(f"max_classes must be an int >= 2, got {self.max_classes!r}")
+        if np.asarray(y).dtype.kind in "iuf" and n > self.max_classes:
+            raise ValueError(f"y has {n} distinct numeric values, more than max_classes={self.max_classes}: it looks like "
+                             "a quantity to regress (TabFMRegressor, tabfm predict --task regression); to classify it "
+                             f"anyway pass max_classes >= {n}")
+        if n == 1:
             warnings.warn(f"y has a single class {self.classes_[0]!r}: every prediction will be that class "
                           "with probability 1", UserWarning, stacklevel=2)
+        if n > OVR_COST_WARNING and self.multiclass == "ovr":
+            warnings.warn(f"{n} classes: multiclass='ovr' runs {n} passes per ensemble member ({n * self.n_estimators} "
+                          "in all), so predictions take about that many times one pass; multiclass='native' is one "
+                          "pass per member", UserWarning, stacklevel=2)
         return self
 
     def predict_proba(self, X: Any) -> np.ndarray:
