@@ -25,16 +25,11 @@ class Plugin(ABC):
     """Base class of all strategies.
 
     Capability flags (class attributes):
-      supports_no_sync             `no_sync` really skips gradient communication (otherwise it is
-                                   a no-op: accumulation stays correct, just communicates more).
-      supports_sharded_checkpoint  checkpoints are written as shards and resharded on load.
       supports_pipeline            the model runs through `execute_pipeline`, not a plain forward.
       supported_precisions         the `MixedPrecision.dtype` values this plugin accepts.
     """
 
     name: ClassVar[str] = "plugin"
-    supports_no_sync: ClassVar[bool] = False
-    supports_sharded_checkpoint: ClassVar[bool] = False
     supports_pipeline: ClassVar[bool] = False
     supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")
 

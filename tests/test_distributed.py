@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tabfm.parallel.state_io import file_sha256
 from tabfm.parallel import Booster, SingleProcessPlugin
 from tabfm.parallel.export import load_exported
 from tabfm.parallel.launch import launch, seed_for_rank
@@ -271,7 +272,7 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process_and_on_two(dist_result
         torch.testing.assert_close(r["redraw"], r["draw"], atol=0, rtol=0)
     assert not torch.equal(ranks[0]["draw"], ranks[1]["draw"])
     weights, config = load_exported(ranks[0]["export"])  # written once, gathered full tensors
-    assert config == {"kind": kind}
+    assert config == {"kind": kind, "weights_sha256": file_sha256(Path(ranks[0]["export"]) / "model.safetensors")}
     _assert_close([weights[k] for k, _ in make_mlp().named_parameters()], ranks[0]["params"])
 
 

@@ -184,7 +184,9 @@ def test_estimator_refuses_non_finite_model_outputs():
     from tabfm.estimators import TabFMClassifier
     from tabfm.weights import load_model
 
-    model = load_model("tabfm-tiny")
+    import copy
+
+    model = copy.deepcopy(load_model("tabfm-tiny"))  # load_model's instance is shared: poison a copy
     with torch.no_grad():
         model.norm.weight.fill_(float("nan"))
     rng = np.random.default_rng(0)

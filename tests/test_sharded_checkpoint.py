@@ -20,6 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tabfm.parallel.sharded_checkpoint as sc
+from tabfm.parallel.state_io import file_sha256
 from tabfm.parallel.checkpoint import CheckpointMeta, GeneralCheckpointIO, checkpoint_dir, latest_checkpoint, list_checkpoints
 from tabfm.parallel.export import load_exported
 from tabfm.parallel.sharded_checkpoint import DCP_DIR, ShardedCheckpointIO, load_full_model_state
@@ -400,7 +401,7 @@ def test_resharding_to_one_process(saved_at_2, src, monkeypatch):
 def test_export_from_fsdp2_writes_full_weights(saved_at_2):
     root, saved = saved_at_2
     weights, config = load_exported(root / "export")
-    assert config == {"kind": "fsdp2"}
+    assert config == {"kind": "fsdp2", "weights_sha256": file_sha256(root / "export" / "model.safetensors")}
     assert_equal(weights, {**saved[0]["fsdp2"]["saved"]["params"], **saved[0]["fsdp2"]["saved"]["buffers"]}, "export")
 
 

@@ -222,14 +222,13 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(ddp_run, tmp_path):
         time.sleep(0.02)
     kill_group(proc)
     killed_at = step_of(latest_checkpoint(out / "checkpoints"))
-    before = train_steps(out)
+    assert train_steps(out)[-1] > killed_at, "the killed run logged steps after its last checkpoint"
     assert killed_at < STEPS and not (out / "export").exists(), "killed too late: the run had finished"
 
     run_to_end(out)
     assert [(r["step"], r["checkpoint"], r["checkpoint_world_size"]) for r in resumes(out)] == \
         [(killed_at, f"step_{killed_at:06d}", WORLD)]
-    steps = train_steps(out)
-    assert steps[len(before):] == list(range(killed_at + 1, STEPS + 1))  # from the checkpoint on, once
+    assert train_steps(out) == list(range(1, STEPS + 1))  # the steps redone after the checkpoint logged once
     assert_same_params(export_params(out), export_params(ddp_run), atol=1e-6)
 
 
@@ -284,7 +283,9 @@ def test_export_from_a_checkpoint_equals_the_runs_export(single_run, tmp_path, c
     assert main(["export", str(single_run), str(out)]) == 0
     assert "step_000004" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
-    assert json.loads((out / "config.json").read_text()) == json.loads((single_run / "export" / "config.json").read_text())
+    unsigned = lambda d: {k: v for k, v in d.items() if k != "weights_sha256"}  # noqa: E731  (tied names may reorder bytes)
+    assert unsigned(json.loads((out / "config.json").read_text())) == \
+        unsigned(json.loads((single_run / "export" / "config.json").read_text()))
     assert_same_params(load_file(str(out / "model.safetensors")), export_params(single_run))
     model = load_model(str(out))
     assert sum(p.numel() for p in model.parameters()) > 0

@@ -113,8 +113,6 @@ class GeminiPlugin(Plugin):
     """
 
     name = "gemini"
-    supports_no_sync = True
-    supports_sharded_checkpoint = True
     supported_precisions = ("fp32", "bf16", "fp16")
 
     def __init__(self, placement: str = "static", device_budget_bytes: int | None = None,
@@ -142,8 +140,6 @@ class GeminiPlugin(Plugin):
         self._device = resolve_device(device)
         self.comm = ShardComm.from_env()
         self._checkpoint_io = GeminiCheckpointIO(self)
-        if self.comm.sharded:  # every backward reduce-scatters: accumulation stays exact, no_sync saves nothing
-            self.supports_no_sync = False
         self.placement = placement
         self.device_budget_bytes = device_budget_bytes
         self.offload_param_frac = 1.0 if placement == "auto" else offload_param_frac

@@ -73,8 +73,6 @@ class TorchDDPPlugin(Plugin):
     """
 
     name = "ddp"
-    supports_no_sync = True
-    supports_sharded_checkpoint = True
 
     def __init__(self, precision: "str | MixedPrecision | None" = None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True, static_graph: bool = False,

@@ -62,7 +62,6 @@ class TorchFSDPPlugin(FullyShardPlugin):
     """
 
     name = "fsdp"
-    supports_no_sync = True
 
     def __init__(self, precision: "str | MixedPrecision | None" = None, *, blocks: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, cpu_offload: bool = False, cast_params: bool = True,

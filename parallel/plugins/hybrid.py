@@ -131,8 +131,6 @@ class HybridParallelPlugin(Plugin):
     """
 
     name = "hybrid"
-    supports_no_sync = True
-    supports_sharded_checkpoint = True
 
     def __init__(self, tp_size: int = 1, sp_size: int = 1, zero_stage: int = 0,
                  precision: "str | MixedPrecision | None" = None, *, pp_size: int = 1,

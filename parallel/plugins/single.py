@@ -23,7 +23,6 @@ class SingleProcessPlugin(Plugin):
     """Moves the model to `device` and wraps it for mixed precision; nothing is distributed."""
 
     name = "single"
-    supports_no_sync = True  # accumulation needs no communication at all
 
     def __init__(self, device: "str | torch.device | None" = None,
                  precision: "str | MixedPrecision | None" = None) -> None:
