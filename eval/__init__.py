@@ -1,7 +1,7 @@
 """eval/: the measuring instrument — suites, protocols, metrics, baselines, cache, reports — for any
-sklearn-style estimator. Imports ``data/`` and third-party libraries only, never ``tabfm``.
+sklearn-style estimator. Imports ``data/`` and third-party libraries only, never the model package
+(installed as the ``eval`` subpackage of the distribution; the command line passes estimators in):
 
-    from tabfm.eval import evaluate, baseline_methods, Method, build_public, load_suite
     build_public("suites")                                         # the public suites of SUITES.md
     report = evaluate("classification", "suites", {**baseline_methods("classification"),
                                                    "mine": Method(MyClassifier, version="1")},

@@ -179,8 +179,7 @@ class Trainer:
         if self.is_main:
             for leftover in remove_leftovers(self.ckpt_root):
                 print(f"removed {leftover}: a checkpoint save that never finished", flush=True)
-        name = self.ranks.gather_json(None if chosen is None else chosen.name)[0]
-        problems = self.ranks.gather_json(problems)[0]
+        name, problems = self.ranks.gather_json([None if chosen is None else chosen.name, problems])[0]
         if name is None and problems:
             raise ValueError(f"{self.ckpt_root} holds checkpoints but none is intact, so the run cannot resume: "
                              + "; ".join(problems) + ". Restore them, or pass --restart to start the run over")
