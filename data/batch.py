@@ -2,7 +2,7 @@
 
 A padded batch of B tables with up to R rows and C columns. Everything a model
 needs to know about which cells are visible, hidden or padding travels here, so
-nothing downstream re-derives it (see DESIGN.md, "TableBatch").
+nothing downstream re-derives it (see docs/design.md, "TableBatch").
 """
 from __future__ import annotations
 

@@ -2,13 +2,13 @@
 sklearn-style estimator. Imports ``data/`` and third-party libraries only, never the model package
 (installed as the ``eval`` subpackage of the distribution; the command line passes estimators in):
 
-    build_public("suites")                                         # the public suites of SUITES.md
+    build_public("suites")                                         # the public suites of docs/evaluation-protocol.md
     report = evaluate("classification", "suites", {**baseline_methods("classification"),
                                                    "mine": Method(MyClassifier, version="1")},
                       out_dir="runs/eval/classification")
 
 Modules: ``suites`` (suite format, loading, validation, ``build_public``), ``prepare`` (the
-SUITES.md preparation rules and public dataset specs), ``protocols`` (k-fold, imputation masks,
+docs/evaluation-protocol.md preparation rules and public dataset specs), ``protocols`` (k-fold, imputation masks,
 ADBench splits; the estimator contract), ``metrics``, ``baselines`` / ``imputers`` / ``detectors``
 (baseline registries), ``cache``, ``report``, ``runner``.
 """

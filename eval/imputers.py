@@ -16,7 +16,7 @@ filled, categorical columns as ``category`` with the input's levels.
   when both of missForest's normalised numeric / categorical changes grow, keeping the previous
   sweep (Stekhoven & Buehlmann 2012).
 
-With these choices the public-suite means reproduce BASELINES.md: mice to 3 decimals, missforest
+With these choices the public-suite means reproduce docs/evaluation-protocol.md (reference scores): mice to 3 decimals, missforest
 within 0.002 (RMSE 0.8247 vs 0.824; ``design="codes"`` would give a stronger 0.810).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Metrics of the public protocols (SUITES.md, "Protocols"), and their directions."""
+"""Metrics of the public protocols (docs/evaluation-protocol.md, "Protocols"), and their directions."""
 from __future__ import annotations
 
 import numpy as np

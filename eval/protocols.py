@@ -1,4 +1,4 @@
-"""Evaluation protocols of shared/data/SUITES.md, for any sklearn-style estimator.
+"""Evaluation protocols of docs/evaluation-protocol.md, for any sklearn-style estimator.
 
 Estimator contract (what each protocol calls; ``factory()`` must return a fresh, unfitted one):
 
@@ -154,7 +154,7 @@ def standardise(V: np.ndarray, observed: np.ndarray) -> np.ndarray:
 
 
 def imputation_mask(frame: pd.DataFrame, mechanism: str, rate: float, seed: int) -> np.ndarray:
-    """Boolean (n, p) mask of the cells to hide, exactly as SUITES.md "Imputation" prescribes.
+    """Boolean (n, p) mask of the cells to hide, exactly as docs/evaluation-protocol.md "Imputation" prescribes.
 
     Only originally observed cells are masked; every column keeps >= 2 observed unmasked cells
     (when it had them); under MAR the driver columns are never masked."""
@@ -340,7 +340,7 @@ class Protocol:
     run: Callable[[Dataset, Factory, Progress], dict]
     n_units: int
     # rank methods per unit (fold / condition) instead of per dataset: imputation ranks each
-    # dataset x condition, which is how BASELINES.md's imputation mean ranks are computed
+    # dataset x condition, as the imputation mean ranks of the reference scores (docs/evaluation-protocol.md) are computed
     rank_unit_keys: tuple[str, ...] = ()
 
 

@@ -121,7 +121,7 @@ class Report:
     errors: dict[str, dict[str, str]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     # optional finer table the mean ranks are computed on (imputation: one row per dataset x
-    # condition, as BASELINES.md does); None = rank the per-dataset scores
+    # condition, as docs/evaluation-protocol.md (reference scores) does); None = rank the per-dataset scores
     rank_scores: Scores | None = None
     # not rendered: the runner's per-dataset results ({dataset: {method: {"metrics", "units", ...}}},
     # used by tabfm.eval.plots) and the run record it writes to run.json

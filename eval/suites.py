@@ -10,7 +10,7 @@
   every other column is float64; missing values stay NaN. A classification target is
   categorical the same way (class code = position of the level).
 
-:func:`build_public` writes the public suites of shared/data/SUITES.md into
+:func:`build_public` writes the public suites of docs/evaluation-protocol.md into
 ``DIR/classification``, ``DIR/imputation`` and ``DIR/anomaly``.
 """
 from __future__ import annotations
@@ -218,10 +218,10 @@ def load_suite(suite_dir, task: str | None = None, datasets: Iterable[str] | Non
 # ----------------------------------------------------------------------------- public suites
 def build_public(out_dir, tasks: Iterable[str] = PUBLIC_TASKS, shared_data=None, overwrite: bool = True,
                  verbose: bool = True) -> dict[str, list[str]]:
-    """Materialise the public suites of SUITES.md under ``out_dir/<task>/``.
+    """Materialise the public suites of docs/evaluation-protocol.md under ``out_dir/<task>/``.
 
     A dataset whose package is not installed is skipped with a warning naming the package; a
-    prepared table that disagrees with SUITES.md (rows, feature types, classes, missing %) is
+    prepared table that disagrees with docs/evaluation-protocol.md (rows, feature types, classes, missing %) is
     written anyway with a warning. Returns ``{task: [dataset names written]}``.
     """
     out_dir = Path(out_dir)
@@ -248,7 +248,7 @@ def build_public(out_dir, tasks: Iterable[str] = PUBLIC_TASKS, shared_data=None,
                 continue
             problems = check_prepared(spec, frame)
             if problems:
-                warnings.warn(f"{task}/{spec.name} differs from SUITES.md: " + "; ".join(problems), stacklevel=2)
+                warnings.warn(f"{task}/{spec.name} differs from docs/evaluation-protocol.md: " + "; ".join(problems), stacklevel=2)
             save_dataset(target_dir, spec.name, frame, task, spec.label, source=spec.source,
                          stats=table_stats(frame, spec.label, task))
             written[task].append(spec.name)

@@ -110,15 +110,16 @@ def _merge_into(union: nn.Module, module: nn.Module, path: str) -> None:
         raise ValueError(f"cannot merge pipeline stages: {path or 'the root'} ({type(module).__name__}) holds tensors "
                          f"{own[:3]} itself and appears in two stages")
     for name, child in module.named_children():
-        mine = union._modules.get(name)
+        mine = dict(union.named_children()).get(name)
         if mine is None:
             union.add_module(name, child)
         elif mine is not child:
             if not type(mine) is nn.Module:  # a stage's own container: replace it by a merged copy
                 merged = nn.Module()
                 _merge_into(merged, mine, f"{path}{name}")
-                union._modules[name] = merged
-            _merge_into(union._modules[name], child, f"{path}{name}.")
+                union.add_module(name, merged)  # replaces the child of that name
+                mine = merged
+            _merge_into(mine, child, f"{path}{name}.")
 
 
 def split_stages(model: nn.Module, plan: PipelinePlan, pp: int) -> list[nn.Module]:

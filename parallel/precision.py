@@ -15,6 +15,8 @@ from typing import Any, ContextManager
 
 import torch
 
+from .torch_internals import foreach_unscale_
+
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -111,7 +113,7 @@ class DynamicLossScaler:
         for device, tensors in by_device.items():
             found = torch.zeros(1, dtype=torch.float32, device=device)
             inv_scale = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
+            foreach_unscale_(tensors, found, inv_scale)
             flags.append(found.cpu())
         return torch.stack(flags).amax(0) if flags else torch.zeros(1, dtype=torch.float32)
 

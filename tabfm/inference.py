@@ -22,6 +22,8 @@ from tabfm.model import ContextCache, ModelOutput
 
 # fn(output, values) -> (N, ...) tensor for the N query cells; values = their true values (NaN = unknown)
 CellFn = Callable[[ModelOutput, torch.Tensor], torch.Tensor]
+# query rows per forward pass (every pass padded to exactly this many, see ContextPredictor.predict)
+DEFAULT_CHUNK_SIZE = 256
 
 
 def query_batch(context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray, kind: np.ndarray,
@@ -132,10 +134,14 @@ class ContextPredictor:
         with _inference(model, self.device, autocast_dtype):
             self.cache: ContextCache = model.encode_context(batch.to(self.device), id_seed=id_seed)
 
-    def predict(self, query_x: np.ndarray, query_mask: np.ndarray, fn: CellFn, chunk_size: int = 1024) -> np.ndarray:
+    def predict(self, query_x: np.ndarray, query_mask: np.ndarray, fn: CellFn,
+                chunk_size: int = DEFAULT_CHUNK_SIZE) -> np.ndarray:
         """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy.
 
         Query rows go through the model `chunk_size` at a time; rows without a query cell are skipped.
+        Every pass holds exactly `chunk_size` rows (the last one padded with copies of its last row,
+        whose answers are dropped): with one shape for every pass, a row's answer is the same to the
+        last bit whichever rows are predicted with it (sklearn's subset invariance).
         """
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -144,17 +150,19 @@ class ContextPredictor:
         parts = []
         for start in range(0, len(rows), chunk_size):
             take = rows[start:start + chunk_size]
-            batch = query_batch(empty, query_x[take], query_mask[take], self.kind, self.cardinality)
+            padded = np.concatenate([take, np.full(chunk_size - len(take), take[-1])])
+            batch = query_batch(empty, query_x[padded], query_mask[padded], self.kind, self.cardinality)
             with _inference(self.model, self.device, self.autocast_dtype):
                 out = self.model.forward_queries(batch.to(self.device), self.cache)
                 b, r, c = out.index.unbind(1)
                 values = batch.x.to(out.index.device)[b, r, c]
-                parts.append(fn(out, values).detach().to("cpu", torch.float64).numpy())
+                answers = fn(out, values).detach().to("cpu", torch.float64).numpy()
+                parts.append(answers[(r < len(take)).cpu().numpy()])
         return np.concatenate(parts) if parts else np.empty((0,))
 
 
 def predict_rows(model: nn.Module, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
-                 kind: np.ndarray, cardinality: np.ndarray, fn: CellFn, chunk_size: int = 1024,
+                 kind: np.ndarray, cardinality: np.ndarray, fn: CellFn, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
                  id_seed: int = 0) -> np.ndarray:
     """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy

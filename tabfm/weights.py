@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # torch and the model load with the first model, not with the
     from tabfm.model import TabFM
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
-SHIPPED_MODELS = ("tabfm-tiny", "tabfm-tiny-cf")  # -cf: pretrained with context features (README)
+SHIPPED_MODELS = ("tabfm-tiny", "tabfm-tiny-cf")  # -cf: pretrained with context features (docs/estimators.md)
 DEFAULT_MODEL = "tabfm-tiny"
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 EXPORT_FORMAT, EXPORT_VERSION = "tabfm.model", 1

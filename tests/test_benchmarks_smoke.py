@@ -170,6 +170,13 @@ def test_inference_cache_quick(tmp_path):
     assert all(r["max_abs_diff"] < 1e-4 and r["cached_s"] > 0 for r in data["rows"])
 
 
+def test_query_chunks_quick(tmp_path):
+    """Padded and unpadded passes both run; a row predicted alone equals its answer in the big call."""
+    data, stdout = _run_benchmark("query_chunks", [], tmp_path, timeout_s=300)
+    assert "row alone == in batch" in stdout and len(data["rows"]) == 4
+    assert all(r["last_row_alone_equal"] and r["padded_s"] > 0 and r["unpadded_s"] > 0 for r in data["rows"])
+
+
 def test_cpu_attention_quick(tmp_path):
     """benchmarks/cpu_attention.py: every path on every shape, the bf16 paths close to fp32 SDPA."""
     from tabfm.model.cpu_kernels import build

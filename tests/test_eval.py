@@ -279,7 +279,7 @@ def test_mar_drivers_never_masked():
         M = imputation_mask(frame, "MAR", 0.3, seed)
         untouched = set(np.flatnonzero(~M.any(axis=0)))
         assert len(untouched) == k and untouched <= full
-        # rng draw order of SUITES.md: U, then the drivers
+        # rng draw order of docs/evaluation-protocol.md: U, then the drivers
         rng = np.random.default_rng([seed, 2, 30])
         rng.random(frame.shape)
         assert untouched == set(np.sort(rng.choice(np.array(sorted(full)), size=k, replace=False)))
@@ -290,7 +290,7 @@ def test_mar_drivers_never_masked():
 
 
 def _reference_mask(frame: pd.DataFrame, mech: str, rate: float, seed: int) -> np.ndarray:
-    """SUITES.md "Imputation" steps 1-4, written out independently of tabfm.eval.protocols."""
+    """docs/evaluation-protocol.md "Imputation" steps 1-4, written out independently of tabfm.eval.protocols."""
     n, p = frame.shape
     cat = [isinstance(frame[c].dtype, pd.CategoricalDtype) for c in frame.columns]
     V = np.column_stack([frame[c].cat.codes.to_numpy().astype(float) if k else frame[c].to_numpy(float)

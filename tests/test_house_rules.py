@@ -1,4 +1,4 @@
-"""DESIGN.md's import rules, on the source and on a live import: imports run one way, and every
+"""docs/design.md's import rules, on the source and on a live import: imports run one way, and every
 import uses the one installed namespace (tabfm.data, not data)."""
 import ast
 import subprocess

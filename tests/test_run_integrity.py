@@ -180,8 +180,8 @@ def test_diverged_run_stops_with_a_checkpoint_from_before(tmp_path, monkeypatch,
         assert torch.equal(after[k], v), k
 
 
-def test_estimator_refuses_non_finite_model_outputs():
-    from tabfm.estimators import TabFMClassifier
+def test_estimators_refuse_non_finite_model_outputs():
+    from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
     from tabfm.weights import load_model
 
     import copy
@@ -193,6 +193,29 @@ def test_estimator_refuses_non_finite_model_outputs():
     X, y = rng.normal(size=(40, 3)), np.arange(40) % 2
     with pytest.raises(ValueError, match="gave NaN or infinity for .* class probabilities"):
         TabFMClassifier(model=model, n_estimators=1).fit(X[:30], y[:30]).predict_proba(X[30:])
+    with pytest.raises(ValueError, match="gave NaN or infinity for .* predictions"):
+        TabFMRegressor(model=model, n_estimators=1).fit(X[:30], X[:30, 0]).predict(X[30:])
+    with pytest.raises(ValueError, match="gave NaN or infinity for .* anomaly scores"):
+        TabFMAnomalyDetector(model=model, n_estimators=1).fit(X[:30]).score_samples(X[30:])
+    holes = X.copy()
+    holes[[1, 5], [0, 2]] = np.nan
+    with pytest.raises(ValueError, match="gave NaN or infinity for .* imputed cells"):
+        TabFMImputer(model=model, n_estimators=1).fit(X[:30]).transform(holes)
+
+
+def test_long_estimator_calls_draw_a_progress_bar_unless_told_not_to(capsys):
+    from tabfm.estimators import TabFMClassifier
+
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(60, 3)), np.arange(60) % 3
+    TabFMClassifier(n_estimators=3, progress=True).fit(X, y).predict_proba(X[:5])
+    err = capsys.readouterr().err
+    assert "TabFMClassifier.predict_proba" in err and "9/9" in err  # 3 members x 3 one-vs-rest passes
+    TabFMClassifier(n_estimators=3, progress=False).fit(X, y).predict_proba(X[:5])
+    TabFMClassifier(n_estimators=3).fit(X, y).predict_proba(X[:5])  # default: stderr is no terminal here
+    assert "predict_proba" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="progress must be None, True or False"):
+        TabFMClassifier(progress="yes").fit(X, y)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")

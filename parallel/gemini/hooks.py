@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..torch_internals import queue_backward_callback
 from .chunks import Chunk, ChunkManager
 
 
@@ -143,7 +144,7 @@ class ChunkHooks:
 
     def _backward_pre(self, module: nn.Module) -> None:
         if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            queue_backward_callback(self._backward_done)
             self._callback_queued = True
         for c in self.module_chunks[module]:
             self.manager.acquire(c)

@@ -207,9 +207,9 @@ class GeminiPlugin(Plugin):
             manager.disk = self.disk
         with torch.no_grad():
             for module in model.modules():  # buffers (not chunked) live where the modules compute
-                for key, b in module._buffers.items():
-                    if b is not None and b.device != self._device:
-                        module._buffers[key] = b.to(self._device)
+                for key, b in list(module.named_buffers(recurse=False)):
+                    if b.device != self._device:
+                        setattr(module, key, b.to(self._device))  # nn.Module keeps it a buffer (persistence too)
             for b in model.buffers():  # like DDP: rank 0's buffers are the model's
                 self.comm.broadcast(b.data, src=0)
         manager.materialize()

@@ -40,6 +40,7 @@ from ..precision import MixedPrecision
 from ..state_io import load_weights
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from ..sharded_checkpoint import ShardedCheckpointIO
+from ..torch_internals import adam_init_group, dtensor_storage, step_hooks_registered, sync_zero_param_groups
 from .ddp import ReplicatedCheckpointIO, TorchDDPPlugin
 
 
@@ -92,16 +93,6 @@ def local_shard_step_supported(optimizer: torch.optim.Optimizer) -> bool:
             and not any(g.get("differentiable", False) for g in optimizer.param_groups))
 
 
-def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` would run step pre/post hooks (the optimizer's or global ones;
-    torch keeps them in these private dicts)."""
-    from torch.optim import optimizer as optim_module
-
-    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None)
-                or getattr(optimizer, "_optimizer_step_post_hooks", None)
-                or optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
-
-
 def _shard_of(t: torch.Tensor, param: torch.Tensor, what: str) -> torch.Tensor:
     """This rank's shard of `t` (gradient or optimizer state of `param`): the local tensor when
     both are DTensors laid out alike, `t` when both are plain. Anything else would make an
@@ -113,7 +104,7 @@ def _shard_of(t: torch.Tensor, param: torch.Tensor, what: str) -> torch.Tensor:
             layout = f"{t.placements} on {t.device_mesh}" if isinstance(t, DTensor) else "a plain tensor"
             raise RuntimeError(f"local-shard step: the {what} of a DTensor parameter ({param.placements} on "
                                f"{param.device_mesh}) is {layout}; it must be laid out like the parameter")
-        return t._local_tensor
+        return dtensor_storage(t)
     if isinstance(t, DTensor):
         raise RuntimeError(f"local-shard step: the {what} of a plain parameter is a DTensor")
     return t
@@ -136,7 +127,7 @@ def adam_step_on_local_shards(optimizer: torch.optim.Optimizer, closure: Callabl
     """
     from torch.optim.adam import adam
 
-    if _has_step_hooks(optimizer):
+    if step_hooks_registered(optimizer):
         return optimizer.step(closure)
     loss = None
     if closure is not None:
@@ -151,7 +142,7 @@ def adam_step_on_local_shards(optimizer: torch.optim.Optimizer, closure: Callabl
             max_exp_avg_sqs: list[torch.Tensor] = []
             steps: list[torch.Tensor] = []
             # the optimizer's own bookkeeping: lazy state init (DTensors like the parameters), checks
-            has_complex = optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            has_complex = adam_init_group(optimizer, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             if not params:
                 continue
             beta1, beta2 = group["betas"]
@@ -441,7 +432,7 @@ class LowLevelZeroPlugin(FullyShardPlugin):
             for k, v in theirs.items():
                 if k != "params":
                     mine[k] = v
-        zero._sync_param_groups(zero.param_groups, zero.optim.param_groups)
+        sync_zero_param_groups(zero)
         return zero
 
     def no_sync(self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None) -> ContextManager[None]:

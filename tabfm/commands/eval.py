@@ -20,6 +20,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from tabfm.commands._common import add_output_flags, show_progress
+
 TASKS = ("classification", "regression", "imputation", "anomaly")
 
 
@@ -140,13 +142,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--no-cache", action="store_true", help="recompute everything, cache nothing")
     p.add_argument("--threads", type=int, default=1, help="BLAS/OpenMP threads and baseline n_jobs (default 1)")
     p.add_argument("--tie-tol", type=float, default=0.0, help="|difference| counted as a tie in wins/ties/losses")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    p.add_argument("--quiet", action="store_true", help="do not print the report")
+    add_output_flags(p)
     p.add_argument("--no-plots", action="store_true", help="do not write the PNG plots (OUT/plots/*.png)")
-    sub = p.add_subparsers(dest="eval_action", metavar="{build-public DIR}")
-    b = sub.add_parser("build-public", help="materialise the public suites (SUITES.md) into DIR/<task>/",
+    sub = p.add_subparsers(dest="eval_action", metavar="{build-public DIR}",
+                           help="instead of evaluating: build-public DIR writes the public suites")
+    b = sub.add_parser("build-public", help="materialise the public suites (docs/evaluation-protocol.md) into DIR/<task>/",
                        description="Write the public classification / imputation / anomaly suites of "
-                                   "shared/data/SUITES.md into DIR/<task>/NAME.parquet + NAME.json.")
+                                   "docs/evaluation-protocol.md into DIR/<task>/NAME.parquet + NAME.json.")
     b.add_argument("dir", help="output directory")
     b.add_argument("--tasks", default="classification,imputation,anomaly",
                    help="comma-separated subset of classification,imputation,anomaly")
@@ -186,7 +188,7 @@ def select_methods(task: str, spec: str, threads: int = 1, extras: dict[str, Any
     return out
 
 
-def _suite_dir(task: str, suite: str) -> Path:
+def _suite_dir(task: str, suite: str, quiet: bool = False) -> Path:
     from tabfm.eval.suites import PUBLIC_TASKS, build_public, default_public_dir
 
     if suite == "public":
@@ -194,7 +196,8 @@ def _suite_dir(task: str, suite: str) -> Path:
             raise ValueError(f"there is no public {task} suite (public: {', '.join(PUBLIC_TASKS)}); pass --suite DIR")
         root = default_public_dir()
         if not (root / task).is_dir():
-            print(f"building the public {task} suite into {root} ...")
+            if not quiet:
+                print(f"building the public {task} suite into {root} ...")
             build_public(root, tasks=[task])
         return root
     path = Path(suite)
@@ -219,12 +222,12 @@ def run(args: argparse.Namespace) -> int:
     extras = tabfm_methods(args.model, parse_params(args.tabfm_params), (args.task,)).get(args.task, {}) \
         if args.methods != "baselines" else {}
     methods = select_methods(args.task, args.methods, threads=args.threads, extras=extras)
-    suite = _suite_dir(args.task, args.suite)
+    suite = _suite_dir(args.task, args.suite, quiet=args.quiet)
     out = Path(args.out) if args.out else Path("runs") / "eval" / args.task
     cache = None if args.no_cache else (Path(args.cache) if args.cache else out / "cache")
     report = evaluate(args.task, suite, methods, out, cache_dir=cache, datasets=_split(args.datasets) or None,
-                      progress=not args.no_progress, n_threads=args.threads, tie_tol=args.tie_tol,
-                      verbose=not args.quiet, plots=not args.no_plots,
+                      progress=show_progress(args), n_threads=args.threads, tie_tol=args.tie_tol,
+                      verbose=True, plots=not args.no_plots,  # the report is the final summary, --quiet or not
                       command={"argv": list(sys.argv), "methods_spec": args.methods, "model": args.model,
                                "tabfm_params": args.tabfm_params,
                                "suite_arg": args.suite, "datasets": _split(args.datasets) or None})

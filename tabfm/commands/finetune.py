@@ -19,13 +19,13 @@ import gc
 import traceback
 from typing import TYPE_CHECKING
 
-from tabfm.train.config import PLUGINS, PRECISIONS
-from tabfm.train.optim import OPTIMIZERS
+from tabfm.commands._common import (FINETUNE_PRESETS, OPTIMIZERS, PLUGINS, PRECISIONS, PREDICTION_TASKS,
+                                    STREAM_PRESETS, add_output_flags, add_preset, show_progress)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads when the command runs, not for --help
     from tabfm.train.finetune import FinetuneConfig, FinetuneResult
 
-TASKS = ("classification", "regression")
+TASKS = PREDICTION_TASKS
 # command-line flag -> FinetuneConfig field, for the plain overrides
 _FIELDS = {
     "init": str, "steps": int, "max_minutes": float, "lr": float, "replay": float, "holdout": float, "threads": int,
@@ -34,7 +34,40 @@ _FIELDS = {
     "min_rows": int, "max_rows": int, "cells_per_batch": int, "imputation": float, "categorical": str,
     "eval_estimators": int, "eval_rows": int, "replay_stream": str,
 }
-_CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity")}
+_CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity"),
+            "replay_stream": STREAM_PRESETS}
+# the defaults named are those of the default preset (FinetuneConfig); --preset smoke / long change some
+_HELP = {
+    "init": "starting weights: a shipped model name or an export directory (default tabfm-tiny)",
+    "steps": "optimizer steps of the whole run, also the length of the cosine schedule (default 300)",
+    "max_minutes": "wall-clock budget of this invocation in minutes; rerunning the command resumes (default: none)",
+    "lr": "peak learning rate (default 1e-4)",
+    "replay": "share of batches drawn from the synthetic prior, against forgetting it (default 0)",
+    "holdout": "share of each table's rows held out for evaluation, stratified for classification (default 0.2)",
+    "threads": "torch intra-op threads (default: torch's; 1 is fastest on a busy 2-core machine)",
+    "seed": "seed of the held-out split, the episodes, the replay draw and the evaluation (default 0)",
+    "optimizer": "adamw (default) or muon",
+    "precision": "auto (default: bf16 on CUDA and on CPUs with tabfm's bf16 kernels, else fp32), fp32, bf16 or fp16",
+    "warmup_steps": "steps of linear learning-rate warm-up (default 20)",
+    "weight_decay": "weight decay of the optimizer (default 0.01)",
+    "grad_accum": "batches accumulated into one optimizer step (default 1)",
+    "eval_every": "steps between held-out evaluations (default 25)",
+    "patience": "evaluations without improvement before stopping (0: never; default 4)",
+    "ckpt_every": "steps between checkpoints (default 25)",
+    "keep_last": "checkpoints kept; older ones are removed (default 2)",
+    "log_every": "steps between logged training metrics, and between plain progress lines without a progress "
+                 "bar (default 5)",
+    "device": "cpu, cuda or cuda:N (default: CUDA when available)",
+    "min_rows": "rows per training episode, at least (default 32; capped by a table's training rows)",
+    "max_rows": "rows per training episode, at most (default 512)",
+    "cells_per_batch": "cells per training batch: it sets the episodes per batch (default 16384)",
+    "imputation": "probability that a training episode is an imputation episode (default 0.2)",
+    "categorical": "categorical features in prediction episodes: ordinal (relabelled codes read as numbers, as "
+                   "the estimators show them; default) or identity (categorical cells)",
+    "eval_estimators": "ensemble members of the held-out evaluation (default 4)",
+    "eval_rows": "held-out rows scored per table; a fixed random subset beyond (default 2048)",
+    "replay_stream": "StreamConfig preset of the --replay batches (default pretrain)",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,22 +78,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--task", choices=TASKS, default=None,
                    help="default: classification for text/boolean targets and integers with <= 20 values, else regression")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory; an existing run there resumes")
-    p.add_argument("--preset", default="default", help="recipe: default | long | smoke (seconds)")
+    add_preset(p, FINETUNE_PRESETS, "default", "recipe: default; long for more steps and sparser evaluation; "
+                                                "smoke runs in seconds, for a first look")
     p.add_argument("--plugin", default="single", choices=PLUGINS,
                    help="engine plugin: single (one process) or ddp | zero | fsdp under torchrun")
     p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
                    help="ZeRO stage for --plugin zero (default 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (the summary table is still printed)")
+    add_output_flags(p)
     p.add_argument("--restart", action="store_true",
                    help="start the run in --out over: remove its checkpoints and metrics first (a run resumes otherwise)")
-    helps = {"init": "starting weights: shipped name or export directory (default tabfm-tiny)",
-             "steps": "optimizer steps of the whole run (default 300)", "max_minutes": "time budget of this invocation",
-             "lr": "peak learning rate (default 1e-4)", "replay": "share of batches from the synthetic prior (default 0)",
-             "holdout": "share of rows held out for evaluation (default 0.2)", "threads": "torch threads (1 is best on 2 cores)",
-             "patience": "evaluations without improvement before stopping (0: never; default 4)"}
     for name, typ in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name), help=helps.get(name))
+        p.add_argument(flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name), help=_HELP[name])
     return p
 
 
@@ -79,13 +108,14 @@ def config_from_args(args: argparse.Namespace) -> "FinetuneConfig":
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    main, result = _train(cfg, args.out, progress=not args.quiet, restart=args.restart)
+    main, result = _train(cfg, args.out, progress=not args.quiet, restart=args.restart, bar=show_progress(args))
     if main and args.quiet:
         print(result.table())
     return 0
 
 
-def _train(cfg: "FinetuneConfig", out: str, progress: bool, restart: bool = False) -> tuple[bool, "FinetuneResult"]:
+def _train(cfg: "FinetuneConfig", out: str, progress: bool, restart: bool = False,
+           bar: bool | None = None) -> tuple[bool, "FinetuneResult"]:
     """Fine-tune in this process (one rank under torchrun); return (main process?, result).
 
     As `tabfm pretrain`: the process group is destroyed only after every object holding it is gone."""
@@ -97,7 +127,7 @@ def _train(cfg: "FinetuneConfig", out: str, progress: bool, restart: bool = Fals
     main = plugin.is_main_process
     finished = False
     try:
-        result = finetune(cfg, out, plugin=plugin, progress=progress, restart=restart)
+        result = finetune(cfg, out, plugin=plugin, progress=progress, restart=restart, bar=bar)
         finished = True
         return main, result
     except BaseException as err:

@@ -1,12 +1,14 @@
-"""`tabfm predict`: in-context predictions for a test CSV, with a training CSV as context.
+"""`tabfm predict`: in-context predictions for a test table, with a training table as context.
 
     tabfm predict --train train.csv --test test.csv --target y [--task classification|regression]
                   [--model tabfm-tiny | EXPORT_DIR] [--out preds.csv] [--proba]
 
-Writes one column named after the target (predicted class, or predicted mean), plus one
-"proba_<class>" column per class with --proba, as CSV to --out or stdout, rows in test order.
-When the test CSV holds the target column too, it is dropped from the inputs and the score
-(accuracy or R^2) is reported on stderr.
+--train and --test are CSV, TSV or Parquet files (a table store's too), read by
+tabfm.data.readers as `tabfm finetune --data` reads them (ISO dates parsed, errors naming the
+file and line). Writes one column named after the target (predicted class, or predicted mean),
+plus one "proba_<class>" column per class with --proba, as CSV to --out or stdout, rows in test
+order. When the test table holds the target column too, it is dropped from the inputs and the
+score (accuracy or R^2) is reported on stderr.
 """
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tabfm.commands._common import PREDICTION_TASKS, add_output_flags
+
 if TYPE_CHECKING:  # pandas loads when the command runs, not for --help
     import pandas as pd
 
-TASKS = ("classification", "regression")
+TASKS = PREDICTION_TASKS
 MAX_INT_CLASSES = 20  # an integer target with at most this many distinct values is read as classes
 
 
@@ -28,12 +32,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p = subparsers.add_parser(
         "predict",
-        help="predict a target column of a test CSV from a training CSV (in context)",
-        description="Predict the target column of TEST from the labelled rows of TRAIN, without training.",
+        help="predict a target column of a test table from a training table (in context)",
+        description="Predict the target column of TEST from the labelled rows of TRAIN, without training. "
+                    "Both are CSV, TSV or Parquet files.",
     )
-    p.add_argument("--train", required=True, metavar="CSV", help="labelled rows (the context)")
-    p.add_argument("--test", required=True, metavar="CSV", help="rows to predict")
-    p.add_argument("--target", required=True, help="name of the target column in the training CSV")
+    p.add_argument("--train", required=True, metavar="PATH", help="labelled rows (the context): a CSV, TSV or "
+                   "Parquet file")
+    p.add_argument("--test", required=True, metavar="PATH", help="rows to predict: a CSV, TSV or Parquet file")
+    p.add_argument("--target", required=True, metavar="COL", help="name of the target column in the training table")
     p.add_argument("--task", choices=TASKS, help="default: classification for text/boolean targets and integer "
                    f"targets with <= {MAX_INT_CLASSES} distinct values, else regression")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model name or export directory (default {DEFAULT_MODEL})")
@@ -51,19 +57,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "target is a quantity, use --task regression); raise it to classify anyway")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    add_output_flags(p)  # the estimator's bar over its model passes (TabFM*(progress=...))
     return p
 
 
-def read_csv(path: str) -> pd.DataFrame:
-    """A CSV as a frame; ValueError naming the path when it cannot be read."""
-    import pandas as pd
+def read_table(path: str, flag: str) -> pd.DataFrame:
+    """The one table in file `path` (CSV, TSV or Parquet) through tabfm.data.readers; ValueError
+    'cannot read PATH: why' when it cannot be read or holds more than one table."""
+    from tabfm.data.readers import read_tables
 
+    where = Path(path)
+    if not where.exists():
+        raise ValueError(f"cannot read {path}: no such file")
     try:
-        return pd.read_csv(path)
-    except FileNotFoundError:
-        raise ValueError(f"cannot read {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as err:
-        raise ValueError(f"cannot read {path}: {err}") from None
+        tables = read_tables(where)
+    except (ValueError, TypeError, OSError) as err:
+        why = str(err)
+        for prefix in (f"{where}: ", f"{where} "):  # the readers name the file first: say it once
+            if why.startswith(prefix):
+                why = why[len(prefix):]
+                break
+        raise ValueError(f"cannot read {path}: {why}") from None
+    if len(tables) != 1:
+        raise ValueError(f"{flag} {path}: a directory of {len(tables)} tables; {flag} takes one table file")
+    return tables[0].frame
 
 
 def infer_task(y: pd.Series) -> str:
@@ -92,14 +109,16 @@ def run(args: argparse.Namespace) -> int:
         if target.is_dir() or not os.access(target.parent, os.W_OK):
             raise ValueError(f"--out {args.out}: " + ("is a directory; give a file path" if target.is_dir()
                                                        else f"{target.parent} is not writable"))
-    train, test = read_csv(args.train), read_csv(args.test)
+    train, test = read_table(args.train, "--train"), read_table(args.test, "--test")
     if args.target not in train.columns:
         raise ValueError(f"target column {args.target!r} is not in {args.train} (columns: {list(train.columns)})")
     y = train.pop(args.target)
     y_test = test.pop(args.target) if args.target in test.columns else None
+    missing, extra = [c for c in train.columns if c not in test.columns], [c for c in test.columns if c not in train.columns]
+    if missing or extra:
+        raise ValueError(f"the feature columns of --test {args.test} are not those of --train {args.train}: "
+                         + "; ".join(f"{what} {cols}" for what, cols in (("missing", missing), ("extra", extra)) if cols))
     task = args.task or infer_task(y)
-    if args.task is None:
-        print(f"tabfm predict: task {task} (inferred from target dtype {y.dtype}; --task to choose)", file=sys.stderr)
     if args.proba and task != "classification":
         raise ValueError("--proba applies to classification only")
 
@@ -107,8 +126,10 @@ def run(args: argparse.Namespace) -> int:
         sizes = tuple(int(k) for k in args.n_neighbors.split(",") if k.strip())
     except ValueError:
         raise ValueError(f"--n-neighbors: expected comma-separated integers such as 5,20, got {args.n_neighbors!r}") from None
+    # --progress / --no-progress decide; else the estimator's own rule (a bar for long calls in a terminal), off with --quiet
+    progress = args.progress if args.progress is not None else (False if args.quiet else None)
     params = dict(model=args.model, n_estimators=args.n_estimators, random_state=args.seed, device=args.device,
-                  n_neighbors=sizes, linear_features=args.linear_features)
+                  n_neighbors=sizes, linear_features=args.linear_features, progress=progress)
     if not args.linear_residual and task == "classification":
         raise ValueError("--no-linear-residual applies to regression only")
     est = TabFMClassifier(**params, max_classes=args.max_classes) if task == "classification" else TabFMRegressor(**params,
@@ -125,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
             out = pd.DataFrame({args.target: est.predict(test)})
     except ModelNotFoundError as err:
         raise ValueError(str(err)) from None
+    if args.task is None and not args.quiet:  # once it worked: bad input stays one line
+        print(f"tabfm predict: task {task} (inferred from target dtype {y.dtype}; --task to choose)", file=sys.stderr)
 
     if y_test is not None and y_test.notna().all():
         from sklearn.metrics import accuracy_score, r2_score

@@ -21,11 +21,11 @@ import gc
 import traceback
 from typing import TYPE_CHECKING
 
-from tabfm.train.config import GEMINI_PLACEMENTS, PRECISIONS, PRETRAIN_PLUGINS, PretrainConfig
-from tabfm.model.config import CONTEXT_FEATURES
-from tabfm.train.optim import OPTIMIZERS
+from tabfm.commands._common import (CONTEXT_FEATURES, GEMINI_PLACEMENTS, OPTIMIZERS, PRECISIONS, PRETRAIN_PLUGINS,
+                                    PRETRAIN_PRESETS, STREAM_PRESETS, add_output_flags, add_preset, show_progress)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads when the command runs, not for --help
+    from tabfm.train.config import PretrainConfig
     from tabfm.train.trainer import TrainResult
 
 # command-line flag -> PretrainConfig field, for the plain overrides
@@ -36,7 +36,34 @@ _FIELDS = {
     "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
     "n_layers": int, "context_features": str, "microbatches": int, "max_bad_steps": int,
 }
+_CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "context_features": CONTEXT_FEATURES,
+            "stream": STREAM_PRESETS}
 _HELP = {
+    "steps": "optimizer steps of the whole run, also the length of the cosine schedule (default: the preset's)",
+    "max_minutes": "wall-clock budget of this invocation in minutes; on expiry it checkpoints and exports, and "
+                   "rerunning the command resumes (default: none)",
+    "threads": "torch intra-op threads (default: the preset's, else torch's; 1 is fastest on a busy 2-core machine)",
+    "optimizer": "adamw (default) or muon (Muon on the blocks' hidden matrices, AdamW on the rest)",
+    "lr": "peak learning rate of the warm-up + cosine schedule (default: the preset's)",
+    "warmup_steps": "steps of linear learning-rate warm-up (default: the preset's)",
+    "precision": "auto (default: bf16 on CUDA and on CPUs with tabfm's bf16 kernels, else fp32), fp32, bf16 or fp16",
+    "grad_accum": "batches accumulated into one optimizer step (default 1)",
+    "seed": "seed of the model's initialisation and of the synthetic stream (default 0)",
+    "workers": "DataLoader worker processes generating batches (default: the preset's; 0: the main process)",
+    "eval_every": "steps between evaluations: held-out synthetic tables and scikit-learn datasets (default 250)",
+    "ckpt_every": "steps between checkpoints (default: the preset's)",
+    "keep_last": "checkpoints kept; older ones are removed (default 3)",
+    "log_every": "steps between logged training metrics, and between plain progress lines without a progress "
+                 "bar (default: the preset's)",
+    "device": "cpu, cuda or cuda:N (default: CUDA when available; --plugin gemini picks its device with "
+              "--gemini-device)",
+    "stream": "StreamConfig preset of the synthetic stream (with --data: of the held-out synthetic evaluation "
+              "only; default: the preset's)",
+    "clip": "gradient-norm clipping threshold (default 1.0)",
+    "weight_decay": "weight decay of the optimizer (default 0.01)",
+    "init": "warm start: model weights from an export directory or a shipped model name (same model config, "
+            "or fewer blocks with --n-layers); ignored when the run resumes",
+    "eval_batches": "held-out synthetic batches per evaluation (default: the preset's; 0: none)",
     "max_bad_steps": "steps in a row with a non-finite loss or gradient norm (each skipped) that stop the run "
                      "(default 10)",
     "microbatches": "cut each batch into M micro-batches of whole tables, losses averaged (default 1): with --pp "
@@ -58,8 +85,9 @@ _HELP = {
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("pretrain", help="pretrain on the synthetic stream or a table store", description=__doc__)
-    p.add_argument("--preset", default="tiny", choices=sorted(PretrainConfig.PRESETS), help="training recipe (model size)")
+    p = sub.add_parser("pretrain", help="pretrain on the synthetic stream or a table store", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_preset(p, PRETRAIN_PRESETS, "tiny", "training recipe, by model size; smoke runs in seconds, for a first look")
     p.add_argument("--out", default=None, help="run directory (default runs/pretrain-PRESET); an existing run resumes")
     p.add_argument("--plugin", default="single", choices=PRETRAIN_PLUGINS,
                    help="engine plugin: single (one process), ddp | zero | fsdp | hybrid under torchrun, or gemini "
@@ -84,24 +112,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="--plugin gemini: the device tier (default auto: CUDA when a GPU is visible, else CPU; "
                         "cuda is refused where there is none)")
     p.add_argument("--no-sklearn-eval", action="store_true", help="skip the scikit-learn dataset evaluation")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_flags(p)
     p.add_argument("--restart", action="store_true",
                    help="start the run in --out over: remove its checkpoints and metrics first (a run resumes otherwise)")
     for name, typ in _FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        kwargs = {"choices": OPTIMIZERS} if name == "optimizer" else {"choices": PRECISIONS} if name == "precision" \
-            else {"choices": CONTEXT_FEATURES} if name == "context_features" else {}
-        if name in _HELP:
-            kwargs["help"] = _HELP[name]
-        if name == "stream":
-            from tabfm.synth.stream import StreamConfig  # the preset names, one source
-
-            kwargs["help"] = f"StreamConfig preset of the synthetic stream: {', '.join(StreamConfig.PRESETS)}"
-        p.add_argument(flag, dest=name, type=typ, default=None, **kwargs)
+        kwargs = {"choices": _CHOICES[name]} if name in _CHOICES else {}
+        p.add_argument(flag, dest=name, type=typ, default=None, help=_HELP[name], **kwargs)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from tabfm.train.config import PretrainConfig
+
     overrides = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
     overrides["plugin"] = args.plugin
     if args.zero_stage is not None:
@@ -115,13 +138,14 @@ def run(args: argparse.Namespace) -> int:
         overrides["eval_sklearn"] = False
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
-    main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart)
+    main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart, bar=show_progress(args))
     if main:
         _summary(out, result)
     return 0
 
 
-def _train(cfg: PretrainConfig, out: str, progress: bool, restart: bool = False) -> tuple[bool, "TrainResult"]:
+def _train(cfg: "PretrainConfig", out: str, progress: bool, restart: bool = False,
+           bar: bool | None = None) -> tuple[bool, "TrainResult"]:
     """Run pretraining in this process (one rank under torchrun); return (main process?, result).
 
     The process group is torn down only after every object holding it (DDP's reducer, ...) is
@@ -135,7 +159,7 @@ def _train(cfg: PretrainConfig, out: str, progress: bool, restart: bool = False)
     main = plugin.is_main_process  # asks the process group, so before destroy()
     finished = False
     try:
-        result = pretrain(cfg, out, plugin=plugin, progress=progress, restart=restart)
+        result = pretrain(cfg, out, plugin=plugin, progress=progress, restart=restart, bar=bar)
         finished = True
         return main, result
     except BaseException as err:

@@ -25,15 +25,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from tabfm.commands._common import STREAM_PRESETS, add_output_flags, add_preset, show_progress
 
 DEFAULT_BATCHES = 24
 CORPUS_SOURCE = "tabfm synth"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from tabfm.synth.stream import StreamConfig  # the preset names, one source
-
     p = subparsers.add_parser(
         "synth",
         help="generate and summarise the synthetic-table stream, or write a synthetic corpus",
@@ -44,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batches", type=int, default=None, help=f"batches to generate (default {DEFAULT_BATCHES})")
     p.add_argument("--out", metavar="DIR", help="write a corpus of raw tables to this table store (with --tables)")
     p.add_argument("--tables", type=int, help="tables in the corpus written to --out (resumes what is there)")
-    p.add_argument("--preset", default="default", help=f"StreamConfig preset: {', '.join(StreamConfig.PRESETS)}")
+    add_preset(p, STREAM_PRESETS, "default", "StreamConfig preset of the stream")
     p.add_argument("--rows", metavar="MIN:MAX", help="rows per table (overrides the preset)")
     p.add_argument("--cols", metavar="MIN:MAX", help="columns per table, target included (overrides the preset)")
     p.add_argument("--max-cells", type=int, help="cap on rows x columns of one table")
@@ -56,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="worker processes: DataLoader workers, or corpus writers with --out (default 0: main process)")
     p.add_argument("--raw", action="store_true", help="generate raw pandas DataFrames (dates, text, ...) instead of tensors")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_output_flags(p)
     return p
 
 
@@ -250,7 +248,7 @@ def run_summary(args: argparse.Namespace) -> int:
     ds = SynthDataset(cfg, seed=args.seed, rank=args.rank, world_size=args.world_size, num_batches=args.batches, mode=mode)
     loader = SynthLoader(ds, num_workers=args.workers)
     summary = Summary(cfg, args.seed, args.raw)
-    bar = tqdm(total=args.batches, unit="batch", file=sys.stderr, disable=args.no_progress, dynamic_ncols=True)
+    bar = tqdm(total=args.batches, unit="batch", file=sys.stderr, disable=not show_progress(args), dynamic_ncols=True)
     start = time.perf_counter()
     for data, info in loader:
         if args.raw:
@@ -266,7 +264,8 @@ def run_summary(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-        print(f"\nwrote {path}")
+        if not args.quiet:
+            print(f"\nwrote {path}")
     return 0
 
 
@@ -373,7 +372,7 @@ def run_corpus(args: argparse.Namespace) -> int:
     if workers > 1:  # fork where the OS has it (no re-import of torch/pandas per worker), as DataLoader does
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         pool = multiprocessing.get_context(method).Pool(workers)
-    bar = tqdm(total=args.tables, initial=skipped, unit="table", file=sys.stderr, disable=args.no_progress,
+    bar = tqdm(total=args.tables, initial=skipped, unit="table", file=sys.stderr, disable=not show_progress(args),
                dynamic_ncols=True)
     try:
         results = map(_write_corpus_table, jobs) if pool is None else pool.imap_unordered(_write_corpus_table, jobs)
@@ -391,7 +390,8 @@ def run_corpus(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"\nwrote {path}")
+        if not args.quiet:
+            print(f"\nwrote {path}")
     return 0
 
 

@@ -69,13 +69,14 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
     """
 
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
-                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 progress: bool | None = None,
                  contamination: float = 0.1, n_folds: int = 5, max_offset_rows: int | None = 512) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
-                         chunk_size=chunk_size)
+                         chunk_size=chunk_size, progress=progress)
         self.contamination = contamination
         self.n_folds = n_folds
         self.max_offset_rows = max_offset_rows
@@ -145,15 +146,18 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         fold = self._fold_of(x)
         members = self._members(cover_all=True)
         total = np.zeros(len(x))
-        for m in members:
-            for f in np.unique(fold):
-                rows = np.flatnonzero(fold == f)
-                pool = np.arange(len(self.train_x_)) if f < 0 else np.flatnonzero(self.folds_ != f)
-                ctx_rows = subsample(m.rng(0, int(f) + 1), pool, self.max_context_rows)
-                for group in m.column_groups:
-                    context = self._context(rt.for_member(m), m.view(self.train_x_[ctx_rows], group),
-                                            self._kind[group], self._card[group])
-                    total[rows] += self._group_scores(context, m.view(x[rows], group), scored[group], group)
+        folds = np.unique(fold)
+        with self._bar(sum(len(m.column_groups) for m in members) * len(folds), "score_samples") as bar:
+            for m in members:
+                for f in folds:
+                    rows = np.flatnonzero(fold == f)
+                    pool = np.arange(len(self.train_x_)) if f < 0 else np.flatnonzero(self.folds_ != f)
+                    ctx_rows = subsample(m.rng(0, int(f) + 1), pool, self.max_context_rows)
+                    for group in m.column_groups:
+                        context = self._context(rt.for_member(m), m.view(self.train_x_[ctx_rows], group),
+                                                self._kind[group], self._card[group])
+                        total[rows] += self._group_scores(context, m.view(x[rows], group), scored[group], group)
+                        bar.update()
         return total / len(members)
 
     def _group_scores(self, context: ContextPredictor, query: np.ndarray, scored: np.ndarray,
@@ -181,6 +185,6 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                 continue
             nll = context.predict(qx, mask, _z_nll, self.chunk_size)
             r, c = np.nonzero(mask)
-            keep = scored[c] & ~np.isnan(nll)
-            np.add.at(out, r[keep] % n_q, nll[keep])
+            keep = scored[c] & ~np.isnan(qx[r, c])  # a missing cell has no NLL; an observed one must have one
+            np.add.at(out, r[keep] % n_q, self._finite(nll[keep], "anomaly scores"))
         return out

@@ -6,8 +6,9 @@ fit() only encodes and stores the training table (`train_x_`, `schema_`); the mo
 """
 from __future__ import annotations
 
-import warnings
 import dataclasses
+import sys
+import warnings
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -22,7 +23,7 @@ from torch import nn
 
 from tabfm.data.batch import CATEGORICAL, NUMERIC
 from tabfm.data.encode import TableSchema, encode_frame
-from tabfm.inference import CellFn, ContextPredictor, append_context_features, predict_rows, with_target
+from tabfm.inference import DEFAULT_CHUNK_SIZE, CellFn, ContextPredictor, append_context_features, predict_rows, with_target
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
@@ -35,11 +36,11 @@ DEFAULT_MAX_COLUMNS = 100
 # classifier / regressor: each member shows the model at most 32 encoded columns (the shipped weights saw
 # tables wider than 32 columns only with < 512 rows) while its neighbour and linear features read every column
 DEFAULT_MAX_COLUMNS_SUPERVISED = 32
-DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_N_NEIGHBORS = (5, 20)
 PRECISIONS = ("auto", "fp32", "bf16")
 CATEGORICAL_MODES = ("ordinal", "identity")
 MULTICLASS = ("ovr", "native")
+PROGRESS_MIN_PASSES = 8  # progress=None draws a bar from this many model passes in one call
 
 
 @dataclass
@@ -100,21 +101,27 @@ class TabFMEstimator(BaseEstimator):
     model             shipped model name (default "tabfm-tiny"), path of an export directory
                       (model.safetensors + config.json), or a TabFM module (moved to `device`).
     n_estimators      ensemble members (see tabfm.estimators.ensemble); outputs are averaged.
-    random_state      seed (int), RandomState or None; drawn from at fit, it fixes every random choice
-                      of the fitted estimator's predictions.
+    random_state      seed (int, default 0), RandomState or None (a fresh seed per fit); drawn from at
+                      fit, it fixes every random choice of the fitted estimator's predictions, so two
+                      identical calls give identical answers (as TabPFN's estimators do).
     device            "auto" (CUDA when available, else CPU), or a torch device string.
     precision         "auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32" or "bf16".
     max_context_rows  at most this many training rows are context per member (random subsample,
                       stratified by class for classification).
     max_columns       at most this many encoded feature columns per table; more are split into random
                       groups (random subsets per member for classification/regression).
-    chunk_size        query rows per forward pass (exact: query rows never see each other).
+    chunk_size        query rows per forward pass, every pass padded to exactly this many, so a row's
+                      answer does not depend, not even in the last bit, on the rows predicted with it.
+    progress          a progress bar over the model passes of a prediction call: None (default) draws
+                      one when the call makes at least PROGRESS_MIN_PASSES passes and stderr is a
+                      terminal; True always; False never.
     """
 
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
-                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
-                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 progress: bool | None = None) -> None:
         self.model = model
         self.n_estimators = n_estimators
         self.random_state = random_state
@@ -123,6 +130,7 @@ class TabFMEstimator(BaseEstimator):
         self.max_context_rows = max_context_rows
         self.max_columns = max_columns
         self.chunk_size = chunk_size
+        self.progress = progress
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -146,8 +154,18 @@ class TabFMEstimator(BaseEstimator):
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if getattr(self, "categorical", CATEGORICAL_MODES[0]) not in CATEGORICAL_MODES:
             raise ValueError(f"categorical must be one of {CATEGORICAL_MODES}, got {self.categorical!r}")
+        if self.progress not in (None, True, False):
+            raise ValueError(f"progress must be None, True or False, got {self.progress!r}")
         if getattr(self, "numeric", NUMERIC_TRANSFORMS[0]) not in NUMERIC_TRANSFORMS:
             raise ValueError(f"numeric must be one of {NUMERIC_TRANSFORMS}, got {self.numeric!r}")
+
+    def _bar(self, passes: int, what: str) -> Any:
+        """A tqdm bar over the `passes` model passes of one prediction call (see `progress`)."""
+        from tqdm.auto import tqdm
+
+        show = self.progress if self.progress is not None else passes >= PROGRESS_MIN_PASSES and sys.stderr.isatty()
+        return tqdm(total=passes, desc=f"{type(self).__name__}.{what}", unit="pass", disable=not show, leave=False,
+                    file=sys.stderr)
 
     def _runtime(self) -> Runtime:
         """Load (or reuse) the model on the configured device."""
@@ -290,7 +308,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  member's randomly relabelled codes as numbers, so every member sees the
                  categories in its own random order (as TabPFN does); "identity" feeds them as
                  categorical cells with random code identities. With the shipped weights ordinal
-                 is far stronger on categorical tables (README, BENCHMARKS.md). The target itself
+                 is far stronger on categorical tables (docs/estimators.md, BENCHMARKS.md). The target itself
                  is always categorical (classification) or numeric (regression).
     numeric      how numeric features reach the model: "raw" (default; standardised by the model's
                  encoder), "quantile" (normal scores of their ranks among the member's context rows,
@@ -305,7 +323,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  as extra feature columns (on top of max_columns), the target's mean over each
                  row's k nearest context rows for each k (classification: the share of the class;
                  leave-one-out on the context rows; see tabfm.data.neighbors). With the
-                 shipped weights the largest gain measured (README, BENCHMARKS.md).
+                 shipped weights the largest gain measured (docs/estimators.md, BENCHMARKS.md).
     linear_features  show the model, as one more extra feature column per target, the score of a
                  linear model of the target fitted on the context rows (logistic regression for a
                  class, ridge for a number; out-of-fold on the context rows), where on the
@@ -315,14 +333,15 @@ class SupervisedTabFMEstimator(TabFMEstimator):
     """
 
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
-                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
-                         chunk_size=chunk_size)
+                         chunk_size=chunk_size, progress=progress)
         self.categorical = categorical
         self.numeric = numeric
         self.n_neighbors = n_neighbors

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from os import PathLike
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -63,15 +63,16 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     """
 
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
-                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
                  multiclass: str = "ovr", max_classes: int = 100) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
-                         chunk_size=chunk_size, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
+                         chunk_size=chunk_size, progress=progress, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
                          linear_features=linear_features)
         self.multiclass = multiclass
         self.max_classes = max_classes
@@ -109,15 +110,18 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
             return np.ones((len(x), 1))
         rt = self._runtime()
         members = self._members(cover_all=False, n_classes=n)
+        ovr = n > 2 and self.multiclass == "ovr"
         total = np.zeros((len(x), n))
-        for m in members:
-            view = self._supervised_view(m, x, classes=True, rt=rt)
-            y = m.class_perm[self.y_[view.rows]]
-            if n > 2 and self.multiclass == "ovr":
-                probs = self._one_vs_rest(rt.for_member(m), view, y, n)
-            else:
-                probs = self._class_tree(rt.for_member(m), view, y, n)
-            total += m.unpermute_classes(probs)
+        with self._bar(len(members) * (n if ovr else 1), "predict_proba") as bar:
+            for m in members:
+                view = self._supervised_view(m, x, classes=True, rt=rt)
+                y = m.class_perm[self.y_[view.rows]]
+                if ovr:
+                    probs = self._one_vs_rest(rt.for_member(m), view, y, n, bar.update)
+                else:
+                    probs = self._class_tree(rt.for_member(m), view, y, n)
+                    bar.update()
+                total += m.unpermute_classes(probs)
         total = np.clip(self._finite(total / len(members), "class probabilities"), 0.0, None)
         return total / total.sum(1, keepdims=True)
 
@@ -126,7 +130,8 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]
 
-    def _one_vs_rest(self, rt: Runtime, view: View, y: np.ndarray, n: int) -> np.ndarray:
+    def _one_vs_rest(self, rt: Runtime, view: View, y: np.ndarray, n: int,
+                     done: Callable[[], Any] = lambda: None) -> np.ndarray:
         """(n_query, n): P(class) from the class-against-the-rest passes, combined by their odds.
 
         With p_c = P(c against the rest) and exactly one true class, P(c) is proportional to
@@ -139,6 +144,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
             p = self._predict_target(rt, view, is_c, 2, _probs_fn(2), feature_targets=is_c)
             p_c = np.clip(p[:, 1] / np.clip(p.sum(1), 1e-12, None), ODDS_CLIP, 1.0 - ODDS_CLIP)
             odds[:, c] = p_c / (1.0 - p_c)
+            done()
         return odds / odds.sum(1, keepdims=True)
 
     def _class_tree(self, rt: Runtime, view: View, y: np.ndarray, n: int) -> np.ndarray:

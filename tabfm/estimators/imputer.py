@@ -93,6 +93,23 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                           UserWarning, stacklevel=2)
         return self._like_input(X, filled, self._positions(X))
 
+    def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
+        """The output's column names: the input's (an imputer keeps every column), as sklearn's
+        `set_output` needs them; input_features, if given, must be those names."""
+        check_is_fitted(self, "n_features_in_")
+        names = getattr(self, "feature_names_in_", None)
+        if names is None:
+            names = np.asarray([f"x{j}" for j in range(self.n_features_in_)], dtype=object)
+        if input_features is not None:
+            given = np.asarray(input_features, dtype=object)
+            if len(given) != self.n_features_in_:
+                raise ValueError(f"input_features has {len(given)} names, but {type(self).__name__} was fitted "
+                                 f"on {self.n_features_in_} columns")
+            if getattr(self, "feature_names_in_", None) is not None and not np.array_equal(given, names):
+                raise ValueError(f"input_features {list(given)} differ from the fitted columns {list(names)}")
+            names = given
+        return names
+
     # ------------------------------------------------------------------ helpers
     def _imputable(self, spec: ColumnSpec, rt: Runtime) -> bool:
         """The model predicts this source column (through its first encoded part)."""
@@ -115,17 +132,20 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
         means = np.zeros(len(rows))
 
         def fn(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
-            return torch.cat([class_probabilities(output), numeric_mean(output)[:, None]], 1).nan_to_num(0.0)
+            # each cell's own answer only (the other head's is undefined), so a non-finite one is caught below
+            is_cat = (output.kind == CATEGORICAL)[:, None]
+            probs, mean = class_probabilities(output), numeric_mean(output)[:, None]
+            return torch.cat([torch.where(is_cat, probs, 0.0), torch.where(is_cat, 0.0, mean)], 1)
 
         members = self._members(cover_all=True)
-        for m in members:
-            ctx_rows = subsample(m.rng(0), np.arange(len(self.train_x_)), self.max_context_rows)
-            for group in m.column_groups:
+        passes = [(m, group) for m in members for group in m.column_groups if query[:, group].any()]
+        with self._bar(len(passes), "transform") as bar:
+            for m, group in passes:
+                ctx_rows = subsample(m.rng(0), np.arange(len(self.train_x_)), self.max_context_rows)
                 sub = query[:, group]
-                if not sub.any():
-                    continue
                 out = self._predict(rt.for_member(m), m.view(self.train_x_[ctx_rows], group), m.view(x, group), sub,
                                     kind[group], card[group], fn)
+                out = self._finite(out, "imputed cells")
                 r, c = np.nonzero(sub)
                 ids = cell_id[r, group[c]]
                 means[ids] += out[:, k]
@@ -134,6 +154,7 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                     if kind[col] == CATEGORICAL:
                         sel = c == j
                         probs[ids[sel], : card[col]] += m.unpermute_codes(col, out[sel, : card[col]])
+                bar.update()
         out_x = x.copy()
         is_cat = kind[cols] == CATEGORICAL
         out_x[rows[is_cat], cols[is_cat]] = probs[is_cat].argmax(1)

@@ -50,15 +50,16 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
     """
 
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
-                 random_state: int | np.random.RandomState | None = None, device: str = "auto",
+                 random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "quantile",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
                  linear_residual: bool = True) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
-                         chunk_size=chunk_size, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
+                         chunk_size=chunk_size, progress=progress, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
                          linear_features=linear_features)
         self.linear_residual = linear_residual
 
@@ -107,13 +108,15 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
 
         members = self._members(cover_all=False)
         total = np.zeros((len(x), 1 + len(levels)))
-        for m in members:
-            view = self._supervised_view(m, x, classes=False, rt=rt)
-            y, shift = self.y_[view.rows], np.zeros((len(x), 1))
-            if self.linear_residual and view.linear is not None:  # the model sees what the context-fitted ridge misses
-                base_c, base_q = view.linear.features(y, dtype=np.float64)
-                y, shift = y - base_c[:, 0], base_q
-            out = self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y)
-            total += out.reshape(len(x), -1) + shift  # mean and every quantile move with the baseline
+        with self._bar(len(members), "predict") as bar:
+            for m in members:
+                view = self._supervised_view(m, x, classes=False, rt=rt)
+                y, shift = self.y_[view.rows], np.zeros((len(x), 1))
+                if self.linear_residual and view.linear is not None:  # the model sees what the context-fitted ridge misses
+                    base_c, base_q = view.linear.features(y, dtype=np.float64)
+                    y, shift = y - base_c[:, 0], base_q
+                out = self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y)
+                total += out.reshape(len(x), -1) + shift  # mean and every quantile move with the baseline
+                bar.update()
         total = self._finite(total / len(members), "predictions")
         return total[:, 0], total[:, 1:]

@@ -123,7 +123,7 @@ class PretrainConfig:
 
     PRESETS = {
         # stage 1 of the shipped tabfm-tiny: 31 min on 2 vCPU with --threads 1; stage 2 warm-starts
-        # from it with --init (the command is in README.md and BENCHMARKS.md)
+        # from it with --init (the command is in docs/pretraining.md and BENCHMARKS.md)
         "tiny": dict(steps=1500, threads=1),
         "small": dict(model="small", stream="default", steps=20000, lr=5e-4, warmup_steps=500),
         "base": dict(model="base", stream="default", steps=50000, lr=3e-4, warmup_steps=1000),

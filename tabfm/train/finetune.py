@@ -544,13 +544,15 @@ def _tables_info(tables: list[FinetuneTable]) -> list[dict[str, Any]]:
 
 
 def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin: Plugin | None = None,
-             progress: bool = True, restart: bool = False) -> FinetuneResult:
+             progress: bool = True, restart: bool = False, bar: bool | None = None) -> FinetuneResult:
     """Fine-tune (or resume, when out_dir holds checkpoints), export the best weights to out_dir/export,
     write out_dir/finetune_summary.json and return the result.
 
     `data` overrides `cfg.data` (a path, DataFrame, {name: DataFrame} or list: whatever
     `tabfm.data.readers.read_tables` reads). `plugin` defaults to `build_plugin(cfg)`. `restart`
-    removes out_dir's checkpoints and logs first. Under torchrun call this on every rank."""
+    removes out_dir's checkpoints and logs first. `progress` prints status messages and the training
+    log; `bar` draws the progress bar (None: with `progress`, when stderr is a terminal; see Trainer).
+    Under torchrun call this on every rank."""
     start = time.perf_counter()
     out = Path(out_dir)
     source = data if data is not None else cfg.data
@@ -616,7 +618,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators={"holdout": evaluate}, eval_every=cfg.eval_every, export_config=None, progress=progress,
-        seed=cfg.seed,
+        seed=cfg.seed, bar=bar,
     )
 
     def export(step: int, metrics: dict[str, float]) -> None:

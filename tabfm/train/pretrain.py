@@ -200,11 +200,13 @@ def start_over(out: Path) -> list[Path]:
 
 
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = None, progress: bool = True,
-             restart: bool = False) -> TrainResult:
+             restart: bool = False, bar: bool | None = None) -> TrainResult:
     """Pretrain (or resume, when out_dir holds checkpoints) and export to out_dir/export.
 
     `plugin` defaults to `build_plugin(cfg)`. `restart` removes out_dir's checkpoints and logs
-    first (a run that must not resume). Under torchrun call this on every rank."""
+    first (a run that must not resume). `progress` prints status messages and the training log;
+    `bar` draws the progress bar (None: with `progress`, when stderr is a terminal; see Trainer).
+    Under torchrun call this on every rank."""
     out = Path(out_dir)
     plug = plugin if plugin is not None else build_plugin(cfg)
     main = plug.is_main_process
@@ -269,7 +271,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators=evaluators, eval_every=cfg.eval_every,
         export_config=export_config(model_cfg, cfg, preset=cfg.model), progress=progress, seed=cfg.seed,
-        max_bad_steps=cfg.max_bad_steps,
+        max_bad_steps=cfg.max_bad_steps, bar=bar,
     )
     if main and progress and cfg.data is not None:
         print(f"pretrain {out}: table store {store['path']}, {store['tables']} tables, {data.batches_per_epoch} "
@@ -310,7 +312,8 @@ def find_checkpoint(path: str | Path) -> Path:
     run directory (under its checkpoints/) or of a checkpoints directory."""
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(f"{p}: no such directory (expected a checkpoint or a run directory)")
+        what = "not a directory" if p.exists() else "no such directory"
+        raise ValueError(f"{p}: {what} (expected a checkpoint or a run directory)")
     if (p / MANIFEST).is_file():
         return p
     for root in (p / "checkpoints", p):

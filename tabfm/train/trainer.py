@@ -127,6 +127,7 @@ class Trainer:
         progress: bool = True,
         seed: int | None = None,
         max_bad_steps: int = 10,
+        bar: bool | None = None,
     ) -> None:
         self.booster, self.model, self.optimizer, self.scheduler = booster, model, optimizer, scheduler
         self.criterion, self.data = criterion, data
@@ -143,8 +144,10 @@ class Trainer:
         self.ranks = Ranks(booster.plugin.dp_world_size, booster.device)
         self.is_main = booster.plugin.is_main_process
         self.progress = progress and self.is_main
-        # outside a terminal a redrawn bar is noise in a log file: plain lines every log step instead
-        self.plain_log = self.progress and not sys.stderr.isatty()
+        # the bar: `bar` when given (tabfm --progress / --no-progress), else with progress in a terminal;
+        # without it (outside a terminal a redrawn bar is noise in a log file) plain lines every log step
+        self.show_bar = self.is_main and (self.progress and sys.stderr.isatty() if bar is None else bool(bar))
+        self.plain_log = self.progress and not self.show_bar
         self.step = 0
         self.cells = 0  # global: summed over data-parallel ranks at every log step and checkpoint
         self._unsynced_cells = 0  # this rank's cells since the last sum
@@ -337,7 +340,7 @@ class Trainer:
         evals: dict[str, float] = {}
         stopped = "steps"
         saved_at = -1
-        bar = tqdm(total=self.steps, initial=self.step, disable=not self.progress or self.plain_log, desc="train",
+        bar = tqdm(total=self.steps, initial=self.step, disable=not self.show_bar, desc="train",
                    dynamic_ncols=True)
         self.model.train()
         while self.step < self.steps:

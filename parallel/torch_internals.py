@@ -1,0 +1,79 @@
+"""The private torch names the engine relies on, in one place, each with why no public one does.
+
+Everything else in `tabfm.parallel` uses torch's public API. A torch upgrade that renames or
+changes one of these fails tests/test_torch_internals.py, which checks each against its public
+equivalent where one exists, loudly and here, rather than deep inside a training step.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["adam_init_group", "dtensor_storage", "foreach_unscale_", "queue_backward_callback", "step_hooks_registered",
+           "sync_zero_param_groups"]
+
+
+def foreach_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply `tensors` (plain tensors of one device) by `inv_scale` in place and set `found_inf`
+    (one float32 element) to 1.0 if any element is inf or NaN.
+
+    Private: torch.amp.GradScaler's fused kernel (`torch._amp_foreach_non_finite_check_and_unscale_`)
+    has no public form for a list of tensors; our loss scaler unscales the local shards of DTensor
+    gradients and agrees on overflow across ranks (parallel.precision), which GradScaler does not.
+    """
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+def dtensor_storage(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor a DTensor holds, itself rather than a view of it.
+
+    Private: the public `DTensor.to_local()` returns a new autograd view on every call, while a
+    sharded optimizer step (parallel.plugins.zero) keeps this rank's shard as its state and must
+    update the very tensor the DTensor holds, under a stable identity.
+    """
+    return t._local_tensor  # type: ignore[attr-defined]
+
+
+def queue_backward_callback(fn) -> None:
+    """Run `fn()` once the backward pass now running has finished (call it from a backward hook).
+
+    Private: autograd's engine (`torch.autograd.Variable._execution_engine.queue_callback`) is the
+    only way to act after the last gradient of a backward lands, whichever module produced it;
+    Gemini (parallel.gemini.hooks) moves the finished gradients off the device there, as FSDP does.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def step_hooks_registered(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` would run step pre/post hooks, the optimizer's own or global ones.
+
+    Private: torch keeps them in dicts (`_optimizer_step_pre_hooks`, ...) with no public query; the
+    local-shard Adam step (parallel.plugins.zero) must fall back to `optimizer.step()` when any exist.
+    """
+    from torch.optim import optimizer as optim_module
+
+    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None)
+                or getattr(optimizer, "_optimizer_step_post_hooks", None)
+                or optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
+
+
+def adam_init_group(optimizer: torch.optim.Optimizer, group: dict, params: list, grads: list, exp_avgs: list,
+                    exp_avg_sqs: list, max_exp_avg_sqs: list, steps: list) -> bool:
+    """torch Adam/AdamW's own bookkeeping for one param group before its update: fills the lists with
+    the group's parameters that have gradients, their gradients and state (created lazily, like
+    the parameters: DTensors for DTensor parameters); returns whether any is complex.
+
+    Private: `Adam._init_group`. The local-shard step (parallel.plugins.zero) runs torch's public
+    functional `adam` on local shards and needs exactly the state `optimizer.step()` would create,
+    so that `state_dict()`, checkpoints and resharding see the optimizer's own tensors.
+    """
+    return optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+
+
+def sync_zero_param_groups(zero: "torch.distributed.optim.ZeroRedundancyOptimizer") -> None:
+    """Copy ZeroRedundancyOptimizer's global param-group hyperparameters to its local optimizer now.
+
+    Private: `ZeroRedundancyOptimizer._sync_param_groups`; ZeRO copies them only at its next step,
+    and a ZeRO optimizer built from a user's optimizer (parallel.plugins.zero) must carry that
+    optimizer's per-group settings (and a scheduler's `initial_lr`) from the start.
+    """
+    zero._sync_param_groups(zero.param_groups, zero.optim.param_groups)
