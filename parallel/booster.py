@@ -106,10 +106,14 @@ class Booster:
                          optimizer: OptimizerWrapper | None = None, return_loss: bool = True,
                          return_outputs: bool = False) -> dict[str, Any]:
         """Forward + backward of the next batch of `data_iter` through a pipeline-parallel model
-        (plugins with `supports_pipeline`, e.g. `HybridParallelPlugin(pp_size=2)`), as gradient
-        accumulation over the plugin's micro-batches; `optimizer.step()` stays the caller's.
-        Returns {"loss", "metrics", "outputs"} (see the plugin)."""
-        return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer, return_loss, return_outputs)
+        (`HybridParallelPlugin(pp_size=2)`), as gradient accumulation over the plugin's
+        micro-batches; `optimizer.step()` stays the caller's. Returns {"loss", "metrics",
+        "outputs"} (see the plugin)."""
+        run = getattr(self.plugin, "execute_pipeline", None)
+        if run is None:
+            raise TypeError(f"{type(self.plugin).__name__} does not run pipeline parallelism: call the boosted model "
+                            "and booster.backward() directly, or use HybridParallelPlugin(pp_size > 1)")
+        return run(data_iter, model, criterion, optimizer, return_loss, return_outputs)
 
     # --- state -----------------------------------------------------------------------------
     def save_checkpoint(

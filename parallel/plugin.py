@@ -24,13 +24,11 @@ from .wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 class Plugin(ABC):
     """Base class of all strategies.
 
-    Capability flags (class attributes):
-      supports_pipeline            the model runs through `execute_pipeline`, not a plain forward.
-      supported_precisions         the `MixedPrecision.dtype` values this plugin accepts.
+    supported_precisions (class attribute): the `MixedPrecision.dtype` values this plugin accepts.
+    A plugin that runs pipeline parallelism also defines `execute_pipeline` (see Booster).
     """
 
     name: ClassVar[str] = "plugin"
-    supports_pipeline: ClassVar[bool] = False
     supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")
 
     def __init__(self, precision: "str | MixedPrecision | None" = None) -> None:
@@ -147,14 +145,6 @@ class Plugin(ABC):
     def clip_grad_norm_(self, optimizer: OptimizerWrapper, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients to global norm `max_norm`; return the norm before clipping."""
         return optimizer.clip_grad_by_norm(max_norm, norm_type)
-
-    # --- pipeline --------------------------------------------------------------------------
-    def execute_pipeline(self, data_iter: Iterator[Any], model: ModelWrapper, criterion: Callable,
-                         optimizer: OptimizerWrapper | None = None, return_loss: bool = True,
-                         return_outputs: bool = False) -> dict[str, Any]:
-        raise NotImplementedError(
-            f"{type(self).__name__} does not run pipeline parallelism (supports_pipeline=False): call "
-            "the boosted model and booster.backward() directly, or use a plugin with pp > 1")
 
     # --- checkpoints -----------------------------------------------------------------------
     @property

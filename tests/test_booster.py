@@ -203,8 +203,7 @@ def test_precision_given_twice_conflict_and_invalid():
 
 def test_execute_pipeline_not_supported():
     booster = Booster(SingleProcessPlugin("cpu"))
-    assert not booster.plugin.supports_pipeline
-    with pytest.raises(NotImplementedError, match="pipeline"):
+    with pytest.raises(TypeError, match="does not run pipeline parallelism"):
         booster.execute_pipeline(iter([]), None, None)
 
 

@@ -174,10 +174,6 @@ class HybridParallelPlugin(Plugin):
         self._row_seams: tuple[nn.Module, ParallelPlan, list[Any]] | None = None
         self._checkpoint_io = ShardedCheckpointIO(None, fallback=FullStateFSDPCheckpointIO(self))
 
-    @property
-    def supports_pipeline(self) -> bool:  # type: ignore[override]
-        return self.pp_size > 1
-
     # --- topology --------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

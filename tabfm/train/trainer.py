@@ -134,7 +134,7 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
         self.steps, self.grad_accum, self.microbatches, self.clip = steps, grad_accum, microbatches, clip
-        self.pipeline = bool(getattr(booster.plugin, "supports_pipeline", False))
+        self.pipeline = booster.plugin.layout().get("pp", 1) > 1
         self.log_every, self.ckpt_every, self.keep_last = log_every, ckpt_every, keep_last
         self.max_minutes, self.eval_every = max_minutes, eval_every
         self.evaluators = evaluators or {}
