@@ -1,5 +1,6 @@
 """tabfm's training engine: Booster + plugins, mixed precision, checkpoint IO. Imports torch only."""
 from .booster import Booster
+from .compile import compile_blocks
 from .checkpoint import (
     CheckpointIO,
     CheckpointMeta,
@@ -48,5 +49,5 @@ __all__ = [
     "HybridParallelPlugin",
     "DeviceBudgetError", "GeminiPlugin",
     "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin", "TorchFSDPPlugin",
-    "build_mesh", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
+    "build_mesh", "compile_blocks", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
 ]

@@ -112,6 +112,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="--plugin gemini: the device tier (default auto: CUDA when a GPU is visible, else CPU; "
                         "cuda is refused where there is none)")
     p.add_argument("--no-sklearn-eval", action="store_true", help="skip the scikit-learn dataset evaluation")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every block (dynamic shapes) before the engine wraps the model; plugins "
+                        "single, ddp, zero. Off by default: on CPUs it was measured slower (BENCHMARKS.md)")
     add_output_flags(p)
     p.add_argument("--restart", action="store_true",
                    help="start the run in --out over: remove its checkpoints and metrics first (a run resumes otherwise)")
@@ -136,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
             overrides[name] = getattr(args, name)
     if args.no_sklearn_eval:
         overrides["eval_sklearn"] = False
+    if args.compile:
+        overrides["compile"] = True
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
     main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart, bar=show_progress(args))

@@ -41,6 +41,9 @@ class PretrainConfig:
     grad_accum     micro-batches per optimizer step
     max_bad_steps  steps in a row with a non-finite loss or gradient norm (each skipped) that stop the
                    run, after a checkpoint of the weights from before them
+    compile        torch.compile every block (tabfm.parallel.compile_blocks, dynamic shapes) before the
+                   engine wraps the model; with plugins single, ddp and zero (FSDP, hybrid and Gemini hook
+                   the blocks themselves). Measured slower on CPUs (BENCHMARKS.md); off by default
     microbatches   M: each batch holds a multiple of M tables and is cut into M equal micro-batches of
                    whole tables whose losses are averaged (gradient accumulation inside one batch);
                    with pp > 1 they stream through the pipeline stages (M >= pp), elsewhere they
@@ -120,6 +123,7 @@ class PretrainConfig:
     gemini_offload_optim: float | None = None
     gemini_disk_dir: str | None = None
     gemini_device: str | None = None
+    compile: bool = False
 
     PRESETS = {
         # stage 1 of the shipped tabfm-tiny: 31 min on 2 vCPU with --threads 1; stage 2 warm-starts
@@ -225,6 +229,10 @@ class PretrainConfig:
             need(self.grad_accum == 1, "pp", "--pp runs one pipeline per step: raise --microbatches instead of "
                  "--grad-accum")
         self._check_gemini(need)
+        need(isinstance(self.compile, bool), "compile", "must be True or False")
+        need(not self.compile or self.plugin in ("single", "ddp", "zero"), "compile",
+             f"--compile compiles the blocks for --plugin single, ddp or zero; --plugin {self.plugin} wraps the "
+             "blocks itself (its hooks would break the compiled graphs), so it is not offered there yet")
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, load_exported
+from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, compile_blocks, latest_checkpoint, load_exported
 from tabfm.parallel.checkpoint import MANIFEST, read_manifest
 from tabfm.parallel.export import export_model
 from tabfm.parallel.launch import barrier, launch
@@ -240,6 +240,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
         warm_start(model, cfg.init)
+    if cfg.compile:
+        compile_blocks(model, model.parallel_plan())
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     precision = resolve_precision(cfg.precision, plug.device)
