@@ -144,7 +144,7 @@ def test_trainer_bar_and_plain_log(bar, progress, isatty, show_bar, plain_log, t
     from tabfm.train.trainer import Trainer
 
     monkeypatch.setattr(sys, "stderr", SimpleNamespace(isatty=lambda: isatty, write=lambda s: None, flush=lambda: None))
-    plugin = SimpleNamespace(dp_world_size=1, is_main_process=True)
+    plugin = SimpleNamespace(dp_world_size=1, is_main_process=True, layout=lambda: {"pp": 1})
     booster = SimpleNamespace(plugin=plugin, device=torch.device("cpu"))
     model = torch.nn.Linear(2, 1)
     t = Trainer(booster, model, None, None, None, [], tmp_path, steps=1, progress=progress, bar=bar)
