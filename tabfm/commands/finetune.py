@@ -25,7 +25,6 @@ from tabfm.commands._common import (FINETUNE_PRESETS, OPTIMIZERS, PLUGINS, PRECI
 if TYPE_CHECKING:  # torch loads when the command runs, not for --help
     from tabfm.train.finetune import FinetuneConfig, FinetuneResult
 
-TASKS = PREDICTION_TASKS
 # command-line flag -> FinetuneConfig field, for the plain overrides
 _FIELDS = {
     "init": str, "steps": int, "max_minutes": float, "lr": float, "replay": float, "holdout": float, "threads": int,
@@ -75,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, metavar="PATH", help="CSV, Parquet, directory of tables, or table store")
     p.add_argument("--target", default=None, metavar="COL", help="target column (a store's header may supply it)")
-    p.add_argument("--task", choices=TASKS, default=None,
+    p.add_argument("--task", choices=PREDICTION_TASKS, default=None,
                    help="default: classification for text/boolean targets and integers with <= 20 values, else regression")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory; an existing run there resumes")
     add_preset(p, FINETUNE_PRESETS, "default", "recipe: default; long for more steps and sparser evaluation; "

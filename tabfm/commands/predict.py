@@ -23,7 +23,6 @@ from tabfm.commands._common import PREDICTION_TASKS, add_output_flags
 if TYPE_CHECKING:  # pandas loads when the command runs, not for --help
     import pandas as pd
 
-TASKS = PREDICTION_TASKS
 MAX_INT_CLASSES = 20  # an integer target with at most this many distinct values is read as classes
 
 
@@ -40,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "Parquet file")
     p.add_argument("--test", required=True, metavar="PATH", help="rows to predict: a CSV, TSV or Parquet file")
     p.add_argument("--target", required=True, metavar="COL", help="name of the target column in the training table")
-    p.add_argument("--task", choices=TASKS, help="default: classification for text/boolean targets and integer "
+    p.add_argument("--task", choices=PREDICTION_TASKS, help="default: classification for text/boolean targets and integer "
                    f"targets with <= {MAX_INT_CLASSES} distinct values, else regression")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model name or export directory (default {DEFAULT_MODEL})")
     p.add_argument("--out", metavar="CSV", help="write predictions here (default: stdout)")
