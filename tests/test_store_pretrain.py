@@ -263,3 +263,73 @@ def test_config_checks_the_data_fields():
         PretrainConfig.preset("smoke", data="")
     with pytest.raises(ValueError, match="PretrainConfig.data_max_batch"):
         PretrainConfig.preset("smoke", data_max_batch=0)
+    with pytest.raises(ValueError, match="PretrainConfig.data_share"):
+        PretrainConfig.preset("smoke", data_share=0.5)  # a share needs a store
+    with pytest.raises(ValueError, match="PretrainConfig.data_share"):
+        PretrainConfig.preset("smoke", data="x", data_share=1.5)
+
+
+# ------------------------------------------------------------------ store + synthetic mixture
+class Counter:
+    """A resumable stream of (name, i) items: what MixedBatches needs of a loader."""
+
+    def __init__(self, name):
+        self.name, self.i = name, 0
+
+    def __iter__(self):
+        while True:
+            self.i += 1
+            yield self.name, self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+def test_mixture_draws_the_share_from_the_store_and_resumes_exactly():
+    from tabfm.train.mixed_data import MixedBatches
+
+    mix = MixedBatches(Counter("synth"), Counter("store"), 0.3, seed=4)
+    first = take(iter(mix), 2000)
+    share = np.mean([name == "store" for name, _ in first])
+    assert abs(share - 0.3) < 0.03, share
+    # each stream is consumed in order, none skipped: the i-th store batch is the store's i-th item
+    for name in ("synth", "store"):
+        got = [i for n, i in first if n == name]
+        assert got == list(range(len(got)))
+    assert [n for n, _ in first] == [n for n, _ in take(iter(MixedBatches(Counter("synth"), Counter("store"), 0.3, seed=4)), 2000)]
+    assert [n for n, _ in first[:50]] != [n for n, _ in take(iter(MixedBatches(Counter("synth"), Counter("store"), 0.3, seed=5)), 50)]
+
+    straight = MixedBatches(Counter("synth"), Counter("store"), 0.3, seed=4)
+    it = iter(straight)
+    take(it, 37)
+    state = json.loads(json.dumps(straight.state_dict()))  # what a checkpoint stores
+    resumed = MixedBatches(Counter("synth"), Counter("store"), 0.3, seed=4)
+    resumed.load_state_dict(state)
+    assert take(iter(resumed), 100) == take(it, 100)
+    with pytest.raises(ValueError, match="data share 0.3"):
+        MixedBatches(Counter("synth"), Counter("store"), 0.5, seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a mixture"):
+        MixedBatches(Counter("synth"), Counter("store"), 0.3, seed=4).load_state_dict({"seed": 0, "position": 3})
+
+
+def test_mixed_run_through_the_command_resumes_to_the_uninterrupted_result(tmp_path, store):
+    """`tabfm pretrain --data STORE --data-share 0.5`: store and synthetic batches both train, a run
+    stopped at step 4 and resumed to 8 ends where an uninterrupted 8-step run does."""
+    flags = ["pretrain", "--preset", "smoke", "--data", str(store), "--data-share", "0.5", "--eval-batches", "0",
+             "--no-sklearn-eval", "--ckpt-every", "4", "--quiet"]
+    assert main(flags + ["--steps", "8", "--out", str(tmp_path / "straight")]) == 0
+    assert main(flags + ["--steps", "8", "--max-minutes", "1e-9", "--out", str(tmp_path / "resumed")]) == 0
+    assert main(flags + ["--steps", "8", "--out", str(tmp_path / "resumed")]) == 0
+    a, b = params(tmp_path / "straight"), params(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    saved = json.loads((tmp_path / "straight" / "train_config.json").read_text())
+    assert saved["data_share"] == 0.5
+    extra = json.loads((tmp_path / "straight" / "checkpoints" / "step_000008" / "extra.json").read_text())
+    data = extra["state"]["trainer"]["data"]  # both streams trained: their positions add up to the 8 batches
+    assert data["mix"]["position"] == 8 and data["synthetic"]["position"] >= 1 and data["store"]["sampler"]["position"] >= 1
+    assert data["synthetic"]["position"] + data["store"]["sampler"]["position"] == 8
+    with pytest.raises(ValueError, match="data_share"):
+        pretrain(smoke(store, steps=9, data_share=0.25, ckpt_every=4), tmp_path / "straight", progress=False)

@@ -33,7 +33,7 @@ _FIELDS = {
     "steps": int, "max_minutes": float, "threads": int, "optimizer": str, "lr": float, "muon_lr": float, "warmup_steps": int, "precision": str,
     "grad_accum": int, "seed": int, "workers": int, "eval_every": int, "ckpt_every": int, "keep_last": int,
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
-    "eval_batches": int, "data": str, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
+    "eval_batches": int, "data": str, "data_share": float, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
     "n_layers": int, "context_features": str, "microbatches": int, "max_bad_steps": int,
 }
 _CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "context_features": CONTEXT_FEATURES,
@@ -70,6 +70,8 @@ _HELP = {
                     "they stream through the stages (M >= PP), elsewhere they run in turn (activation memory / M)",
     "data": "train on a table store directory (tabfm synth --out, tabfm.data.store.write_table) instead of the "
             "synthetic stream",
+    "data_share": "with --data: share of the batches drawn from the store, the rest from the synthetic stream "
+                  "(e.g. 0.3: real tables mixed into the prior, as Real-TabPFN did; default: all from the store)",
     "data_cells_per_batch": "with --data: padded cells per batch and rank (default: the stream preset's)",
     "data_max_batch": "with --data: tables per batch at most (default: the stream preset's max_batch)",
     "cells_per_token": "cells of a row packed into one token (ModelConfig.cells_per_token; default 1): "

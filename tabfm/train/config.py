@@ -29,6 +29,9 @@ class PretrainConfig:
     data           a table store directory (tabfm.data.store.write_table, `tabfm synth --out`): when set,
                    training batches are episodes posed on its tables (tabfm.data.store_episodes) instead
                    of the synthetic stream; held-out synthetic evaluation still measures the prior
+    data_share     with `data`: share of the batches drawn from the store, the rest from the synthetic
+                   stream (tabfm.train.mixed_data; Real-TabPFN's mixture of real and prior tables);
+                   None: every batch from the store
     data_cells_per_batch, data_max_batch
                    with `data`: padded cells and tables per batch (per data-parallel rank and
                    micro-batch); None takes the stream preset's cells_per_batch / max_batch
@@ -87,6 +90,7 @@ class PretrainConfig:
     context_features: str = "none"
     stream: str = "pretrain"
     data: str | None = None
+    data_share: float | None = None
     data_cells_per_batch: int | None = None
     data_max_batch: int | None = None
     steps: int = 2000
@@ -241,6 +245,8 @@ class PretrainConfig:
         need(self.threads is None or (isinstance(self.threads, int) and self.threads >= 1), "threads", "must be None or an integer >= 1")
         need(self.data is None or (isinstance(self.data, str) and self.data.strip() != ""), "data",
              "must be None or the path of a table store directory")
+        need(self.data_share is None or (self.data is not None and 0.0 < self.data_share <= 1.0), "data_share",
+             "must be None, or in (0, 1] with data (a table store)")
         for name in ("data_cells_per_batch", "data_max_batch"):
             v = getattr(self, name)
             need(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,

@@ -35,6 +35,7 @@ from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.model.growth import group_cells, grow_depth
 from tabfm.train.config import PretrainConfig, resolve_precision, run_model_config
 from tabfm.train.evaluate import sklearn_eval, synthetic_eval
+from tabfm.train.mixed_data import MixedBatches
 from tabfm.train.optim import build_optimizer, warmup_cosine
 from tabfm.train.trainer import Trainer, TrainResult
 
@@ -143,7 +144,7 @@ def _check_same_data(out: Path, saved: dict[str, Any], cfg: PretrainConfig, stor
                          f"fingerprint {before.get('fingerprint')} ({before.get('tables')} tables); the store now has "
                          f"{store['fingerprint']} ({store['tables']} tables): tables were added, removed or replaced. "
                          "Use another --out, or restore the store to resume")
-    for key in ("data_cells_per_batch", "data_max_batch"):
+    for key in ("data_share", "data_cells_per_batch", "data_max_batch"):
         if saved.get(key) != getattr(cfg, key):
             raise ValueError(f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
                              "use another --out or the same settings to resume")
@@ -251,14 +252,18 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     model, optimizer, criterion, _, scheduler = booster.boost(model, optimizer, masked_cell_loss,
                                                               lr_scheduler=scheduler)
 
-    if cfg.data is not None:
-        data = store_data(cfg, headers, plug.dp_rank, plug.dp_world_size, model_cfg.max_categories)
-        cells = data.sampler.cells_per_batch
-    else:
+    synthetic = store_batches = None
+    if cfg.data is None or (cfg.data_share or 1.0) < 1.0:
         dataset = SynthDataset(stream_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size,
                                micro_batches=cfg.grad_accum)
-        data = SynthLoader(dataset, num_workers=cfg.workers)
-        cells = stream_cfg.cells_per_batch
+        synthetic = SynthLoader(dataset, num_workers=cfg.workers)
+    if cfg.data is not None:
+        store_batches = store_data(cfg, headers, plug.dp_rank, plug.dp_world_size, model_cfg.max_categories)
+    if synthetic is not None and store_batches is not None:
+        data = MixedBatches(synthetic, store_batches, cfg.data_share, cfg.seed)
+    else:
+        data = synthetic if synthetic is not None else store_batches
+    cells = stream_cfg.cells_per_batch if store_batches is None else store_batches.sampler.cells_per_batch
 
     # every rank evaluates (a sharded forward is collective); the main process logs
     evaluators = {}
@@ -276,8 +281,9 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         max_bad_steps=cfg.max_bad_steps, bar=bar,
     )
     if main and progress and cfg.data is not None:
-        print(f"pretrain {out}: table store {store['path']}, {store['tables']} tables, {data.batches_per_epoch} "
-              f"batches per epoch and data-parallel rank", flush=True)
+        share = "" if synthetic is None else f"; {cfg.data_share:.0%} of the batches, the rest synthetic"
+        print(f"pretrain {out}: table store {store['path']}, {store['tables']} tables, {store_batches.batches_per_epoch} "
+              f"batches per epoch and data-parallel rank{share}", flush=True)
     if main and progress and plug.dp_world_size > 1:
         print(f"pretrain {out}: plugin {plug.name}, {_world_size()} processes, {plug.dp_world_size} data-parallel "
               f"ranks x ~{cells:,} cells per micro-batch each", flush=True)
