@@ -1,4 +1,5 @@
 """tabfm's training engine: Booster + plugins, mixed precision, checkpoint IO. Imports torch only."""
+from .activation_checkpointing import checkpoint_blocks
 from .booster import Booster
 from .compile import compile_blocks
 from .checkpoint import (
@@ -49,5 +50,5 @@ __all__ = [
     "HybridParallelPlugin",
     "DeviceBudgetError", "GeminiPlugin",
     "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin", "TorchFSDPPlugin",
-    "build_mesh", "compile_blocks", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
+    "build_mesh", "checkpoint_blocks", "compile_blocks", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
 ]

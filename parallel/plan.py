@@ -46,8 +46,11 @@ class ParallelPlan:
                     FSDP wrapping, activation checkpointing and pipeline stage splits.
     tp_plan         module-name pattern (fnmatch style, e.g. "blocks.*.mlp.fc1") ->
                     "colwise" | "rowwise": the DTensor tensor-parallel plan.
-    row_attention   names of modules that attend along the row axis (keys/values gathered
-                    across the row-sequence-parallel group).
+    row_attention   names of the row attentions' key seams: modules (k, v, kv_mask) -> (k, v,
+                    kv_mask) whose outputs are the keys a row attention attends to; the engine
+                    hooks them to return every row-sequence-parallel rank's keys (an all-gather).
+    shared_row_keys leading keys that are the same on every rank (e.g. learned rows every
+                    table starts with): kept from one rank only when keys are gathered.
     row_statistics  names of modules that reduce statistics over context rows (all-reduced
                     across the row-sequence-parallel group).
     num_heads       attention heads per attention module (tensor-parallel divisibility check).
@@ -57,6 +60,7 @@ class ParallelPlan:
     blocks: list[str] = field(default_factory=list)
     tp_plan: dict[str, str] = field(default_factory=dict)
     row_attention: list[str] = field(default_factory=list)
+    shared_row_keys: int = 0
     row_statistics: list[str] = field(default_factory=list)
     num_heads: int = 1
     pipeline: PipelinePlan | None = None
@@ -65,5 +69,7 @@ class ParallelPlan:
         for name, style in self.tp_plan.items():
             if style not in ("colwise", "rowwise"):
                 raise ValueError(f"tp_plan[{name!r}] = {style!r}; expected 'colwise' or 'rowwise'")
+        if self.shared_row_keys < 0:
+            raise ValueError(f"shared_row_keys must be >= 0, got {self.shared_row_keys}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")

@@ -12,7 +12,7 @@ modules in its `ParallelPlan` (`row_attention`, `row_statistics`); then
 
 and the sharded forward equals the unsharded one: every query row sees every key row,
 wherever it lives (attention is invariant to the order of its keys). Keys a model repeats
-on every rank (`shared_keys`, e.g. learned thinking rows) are kept from sp rank 0 only. The
+on every rank (`plan.shared_row_keys`, e.g. learned thinking rows) are kept from sp rank 0 only. The
 gradients of replicated parameters are partial sums per rank; the plugin all-reduces them.
 
 Inputs to shard are duck-typed: anything with `slice_rows(start, stop)` and `shape[1]` = rows
@@ -123,8 +123,9 @@ def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
 # --- the model seams ---------------------------------------------------------------------
 
 class RowKVGather:
-    """Replaces a row-attention module's `gather_kv(k, v, kv_mask)`: keys, values and key mask
-    of all ranks of `group`, concatenated along the row axis.
+    """A forward hook for a row attention's key seam (`plan.row_attention`, a module returning
+    (k, v, kv_mask)): it returns the keys, values and key mask of all ranks of `group`,
+    concatenated along the row axis.
 
     k, v (N, H, Rk, hd) with Rk this rank's key rows; kv_mask (B, Rk) bool or None (all real).
     Ranks may hold different Rk: each part is padded to the longest (pads are masked out).
@@ -137,8 +138,11 @@ class RowKVGather:
         self.world = dist.get_world_size(group)
         self.shared_keys = int(shared_keys)
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor,
-                 kv_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, module: nn.Module, args: Any, output: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gather(*output)
+
+    def gather(self, k: torch.Tensor, v: torch.Tensor,
+               kv_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rk = k.shape[2]
         mine = torch.tensor([rk, 1 if kv_mask is None else kv_mask.shape[0]], dtype=torch.int64, device=k.device)
         sizes = mine.new_empty(2 * self.world)
@@ -279,17 +283,14 @@ class RowShardedCriterion:
 # --- installing it -----------------------------------------------------------------------
 
 def parallelize_rows(model: nn.Module, plan: ParallelPlan, sp_group: Any) -> list[Any]:
-    """Install row-sequence parallelism on `model` (in place) from its plan: every
-    `plan.row_attention` module's `gather_kv` becomes a `RowKVGather` (its `shared_keys`
-    attribute, if any, says how many leading keys repeat on every rank), and every
-    `plan.row_statistics` module gets a hook all-reducing its output. Returns the hook handles."""
+    """Install row-sequence parallelism on `model` from its plan, by forward hooks only: every
+    `plan.row_attention` key seam returns the keys of all ranks (`RowKVGather`, the first
+    `plan.shared_row_keys` from one rank), every `plan.row_statistics` module its outputs
+    all-reduced. Returns the hook handles (removing them restores the one-device model)."""
     handles = []
     for name in plan.row_attention:
         module = _submodule(model, name, "row_attention")
-        if not callable(getattr(module, "gather_kv", None)):
-            raise TypeError(f"plan.row_attention: {name!r} ({type(module).__name__}) has no gather_kv(k, v, kv_mask) "
-                            "to replace")
-        module.gather_kv = RowKVGather(sp_group, shared_keys=getattr(module, "shared_keys", 0))
+        handles.append(module.register_forward_hook(RowKVGather(sp_group, shared_keys=plan.shared_row_keys)))
     for name in plan.row_statistics:
         module = _submodule(model, name, "row_statistics")
         handles.append(module.register_forward_hook(reduce_statistics(sp_group)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_init_group", "dtensor_storage", "foreach_unscale_", "queue_backward_callback", "step_hooks_registered",
+__all__ = ["adam_init_group", "checkpoint_module", "dtensor_storage", "foreach_unscale_", "queue_backward_callback", "step_hooks_registered",
            "sync_zero_param_groups"]
 
 
@@ -77,3 +77,18 @@ def sync_zero_param_groups(zero: "torch.distributed.optim.ZeroRedundancyOptimize
     optimizer's per-group settings (and a scheduler's `initial_lr`) from the start.
     """
     zero._sync_param_groups(zero.param_groups, zero.optim.param_groups)
+
+
+def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:
+    """Recompute `module`'s activations in backward instead of keeping them, in place.
+
+    Private: torch's composable activation checkpointing (`torch.distributed._composable.checkpoint`,
+    the sibling of `fully_shard` and `replicate`) keeps the module tree and parameter names as they
+    are, so checkpoints, optimizer state and tensor-parallel plans of runs with and without it name
+    the same tensors. Its public alternatives either rename every parameter (`checkpoint_wrapper`,
+    itself in a private module) or must be called inside the model's forward
+    (`torch.utils.checkpoint.checkpoint`), which would put engine code into the model.
+    """
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint(module)

@@ -177,6 +177,14 @@ def test_query_chunks_quick(tmp_path):
     assert all(r["last_row_alone_equal"] and r["padded_s"] > 0 and r["unpadded_s"] > 0 for r in data["rows"])
 
 
+def test_activation_checkpointing_quick(tmp_path):
+    """Checkpointed blocks keep less for backward at bit-identical losses; the run writes its table and JSON."""
+    data, stdout = _run_benchmark("activation_checkpointing", [], tmp_path, timeout_s=300)
+    assert "x memory" in stdout and len(data["rows"]) == 1
+    row = data["rows"][0]
+    assert row["saved_mib_ckpt"] < 0.5 * row["saved_mib_plain"] and row["max_loss_diff"] == 0.0
+
+
 def test_cpu_attention_quick(tmp_path):
     """benchmarks/cpu_attention.py: every path on every shape, the bf16 paths close to fp32 SDPA."""
     from tabfm.model.cpu_kernels import build

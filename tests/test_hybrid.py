@@ -95,12 +95,14 @@ def cells(output, table_offset: int = 0, row_offset: int = 0) -> dict:
 # --- the distributed scenarios ---------------------------------------------------------------
 
 def _scenario(rank, world, tp=1, sp=1, zero=0, mode="eval", steps=STEPS, accum=1, thinking=2, ckpt_root=None,
-              **overrides):
-    from tabfm.parallel import HybridParallelPlugin
+              act_ckpt=False, **overrides):
+    from tabfm.parallel import HybridParallelPlugin, checkpoint_blocks
 
     plugin = HybridParallelPlugin(tp_size=tp, sp_size=sp, zero_stage=zero)
     booster = Booster(plugin)
     module = make_model(seed=rank, n_thinking_rows=thinking, **overrides)  # differs per rank: rank 0's must win
+    if act_ckpt:
+        checkpoint_blocks(module, module.parallel_plan())
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
     model, opt, crit, _, _ = booster.boost(module, opt, masked_cell_loss)
     model.train(mode == "train")
@@ -206,8 +208,7 @@ def worker_2(rank, world):
         "sp2": lambda: _scenario(rank, world, sp=2),
         "sp2_train": lambda: _scenario(rank, world, sp=2, mode="train", steps=1),
         "sp2_no_thinking": lambda: _scenario(rank, world, sp=2, thinking=0, steps=1),
-        "sp2_act_ckpt": lambda: _scenario(rank, world, sp=2, mode="train", steps=1,
-                                                activation_checkpointing=True),
+        "sp2_act_ckpt": lambda: _scenario(rank, world, sp=2, mode="train", steps=1, act_ckpt=True),
         "tp2_bf16": lambda: _bf16(rank, world, tp_size=2),
         "sp2_bf16": lambda: _bf16(rank, world, sp_size=2),
         "errors": lambda: _errors(rank, world),

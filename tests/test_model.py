@@ -11,7 +11,7 @@ from tabfm.data.batch import TableBatch
 from tabfm.parallel.plan import ParallelPlan
 from tabfm.model import BarDistribution, ModelConfig, ModelOutput, TabFM, masked_cell_loss
 from tabfm.model import predict as P
-from tabfm.model.attention import RowAttention
+from tabfm.model.attention import RowAttention, RowKeys
 from tabfm.model.encoder import ContextStatistics, hash_normal
 
 torch.set_num_threads(1)  # small tensors; avoids thread contention on shared 2-core machines
@@ -262,6 +262,36 @@ def test_loss_is_finite_and_overfits_one_batch(G):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
 
 
+@pytest.mark.parametrize("only", ["numeric", "categorical", "no queries of a kind"])
+@pytest.mark.parametrize("thinking", [0, 2])
+def test_every_parameter_gets_a_gradient_whatever_the_batch_holds(only, thinking):
+    """Data-parallel reduction expects every parameter in every step's graph: the model must
+    reach each one with a (possibly zero) gradient on all-numeric and all-categorical batches,
+    and when no query cell is of one kind, without zero-weight terms of its own."""
+    torch.manual_seed(0)
+    m = TabFM(ModelConfig(**{**SMALL, "n_thinking_rows": thinking})).train()
+    batch = make_batch(b=2, r=16, c=4, n_ctx=10, seed=3)
+    if only == "numeric":
+        batch.kind[:] = 1
+        batch.cardinality[:] = 0
+        batch.x[torch.isnan(batch.x)] = 0.5
+    elif only == "categorical":
+        batch.kind[:] = 2
+        batch.cardinality[:] = 3
+        batch.x = torch.randint(0, 3, batch.x.shape).float()
+    else:  # queries only in categorical columns: the numeric head scores nothing
+        batch.query &= (batch.kind == 2)[:, None, :]
+    loss, metrics = masked_cell_loss(m(batch.validate()), batch)
+    loss.backward()
+    missing = [n for n, p in m.named_parameters() if p.grad is None]
+    assert not missing, missing
+    assert torch.isfinite(loss)
+    if only == "numeric":
+        assert metrics["cat_cells"] == 0 and metrics["num_cells"] > 0
+    else:
+        assert metrics["num_cells"] == 0 and metrics["cat_cells"] > 0
+
+
 @torch.no_grad()
 def test_loss_matches_hand_computation():
     m, batch = model(), make_batch()
@@ -309,18 +339,36 @@ def test_bf16_autocast_close_to_fp32():
     assert torch.isfinite(loss)
 
 
-def test_activation_checkpointing_same_gradients():
+def test_activation_checkpointing_same_gradients_and_names():
+    """The engine's activation checkpointing (parallel.checkpoint_blocks) changes no gradient and no
+    parameter name, and recomputes each block in backward (its forward runs twice)."""
+    from tabfm.parallel import checkpoint_blocks
+
     batch = make_batch()
-    grads = []
+    grads, calls = [], []
     for ckpt in (False, True):
-        m = model(seed=3, activation_checkpointing=ckpt).train()
+        m = model(seed=3).train()
+        if ckpt:
+            assert checkpoint_blocks(m, m.parallel_plan()) == [f"blocks.{i}" for i in range(len(m.blocks))]
+            m.blocks[0].register_forward_pre_hook(lambda mod, args: calls.append(1))
         torch.manual_seed(7)
         loss, _ = masked_cell_loss(m(batch), batch)
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        if ckpt:
+            assert list(m.state_dict()) == list(model(seed=3).state_dict())
+    assert len(calls) == 2  # the forward, then the recomputation in backward
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_configs_of_older_exports_still_load():
+    """`activation_checkpointing` left ModelConfig for the engine; exports that carry it still load."""
+    data = ModelConfig(**SMALL).to_dict()
+    assert ModelConfig.from_dict({**data, "activation_checkpointing": False}) == ModelConfig(**SMALL)
+    with pytest.raises(ValueError, match="unknown ModelConfig field"):
+        ModelConfig.from_dict({**data, "activation_checkpointng": False})
 
 
 # ------------------------------------------------------------------ parallel plan
@@ -337,7 +385,8 @@ def test_parallel_plan_names_resolve():
         assert len(hits) == 3, pattern
         assert all(isinstance(m.get_submodule(h), torch.nn.Linear) for h in hits)
     assert {s for s in plan.tp_plan.values()} == {"colwise", "rowwise"}
-    assert all(isinstance(m.get_submodule(n), RowAttention) for n in plan.row_attention) and len(plan.row_attention) == 3
+    assert all(isinstance(m.get_submodule(n), RowKeys) for n in plan.row_attention) and len(plan.row_attention) == 3
+    assert all(isinstance(m.get_submodule(n.rsplit(".", 1)[0]), RowAttention) for n in plan.row_attention)
     assert all(isinstance(m.get_submodule(n), ContextStatistics) for n in plan.row_statistics)
     assert plan.num_heads == 4
 

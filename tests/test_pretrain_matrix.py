@@ -42,19 +42,20 @@ TOL = {"fp32": 1e-4, "bf16": 5e-2}
 
 PP = ["--plugin", "hybrid", "--pp", "2", "--microbatches", "2"]
 # layout -> (plugin flags, processes, data-parallel ranks); --microbatches is shared with the reference
+# (--activation-checkpointing changes no number: rows with it match the reference without it)
 LAYOUTS: dict[str, tuple[list[str], int, int]] = {
-    "ddp": (["--plugin", "ddp"], 2, 2),
+    "ddp": (["--plugin", "ddp", "--activation-checkpointing"], 2, 2),
     "zero1": (["--plugin", "zero", "--zero-stage", "1"], 2, 2),
-    "zero2": (["--plugin", "zero", "--zero-stage", "2"], 2, 2),
+    "zero2": (["--plugin", "zero", "--zero-stage", "2", "--activation-checkpointing"], 2, 2),
     "fsdp": (["--plugin", "fsdp"], 2, 2),
     "gemini": (["--plugin", "gemini"], 2, 2),
     # a budget that forces parameter evictions and part of the optimizer state off the device
     "gemini-auto": (["--plugin", "gemini", "--gemini-budget-mib", "26", "--gemini-placement", "auto"], 2, 2),
     "gemini-disk": (["--plugin", "gemini", "--gemini-offload-optim", "1.0", "--gemini-disk-dir", "{tmp}/spill"], 2, 2),
     "tp": (["--plugin", "hybrid", "--tp", "2"], 2, 1),
-    "sp": (["--plugin", "hybrid", "--sp", "2"], 2, 1),
+    "sp": (["--plugin", "hybrid", "--sp", "2", "--activation-checkpointing"], 2, 1),
     "pp": (PP, 2, 1),
-    "pp-dp": (PP, 4, 2),
+    "pp-dp": ([*PP, "--activation-checkpointing"], 4, 2),
     "pp-tp": ([*PP, "--tp", "2"], 4, 1),
 }
 MUON_REFUSED = {"gemini", "gemini-auto", "gemini-disk"}  # Gemini steps AdamW on its chunks
@@ -144,6 +145,13 @@ def test_layout_trains_evaluates_and_exports_like_one_process(layout, optimizer,
     y = (X[:, 0] + 0.3 * rng.normal(size=60) > 0).astype(int)
     proba = TabFMClassifier(model=str(exported)).fit(X[:40], y[:40]).predict_proba(X[40:])
     assert proba.shape == (20, 2) and np.allclose(proba.sum(1), 1.0)
+
+
+def test_activation_checkpointing_on_gemini_is_refused_before_training(tmp_path, capsys):
+    assert main(["pretrain", *run_flags("adamw", "fp32"), "--plugin", "gemini", "--activation-checkpointing",
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "--activation-checkpointing" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "checkpoints").exists()
 
 
 def test_muon_on_gemini_is_refused_before_training(tmp_path, capsys):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tabfm.parallel.torch_internals import (adam_init_group, dtensor_storage, foreach_unscale_, queue_backward_callback,
-                                            step_hooks_registered, sync_zero_param_groups)
+from tabfm.parallel.torch_internals import (adam_init_group, checkpoint_module, dtensor_storage, foreach_unscale_,
+                                            queue_backward_callback, step_hooks_registered, sync_zero_param_groups)
 
 from .dist_utils import run_distributed
 
@@ -131,6 +131,28 @@ def test_dtensor_storage_is_the_local_shard_itself():
 # torch.<...>._private, and the private torch attributes the engine once used on torch objects
 PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._[a-z]\w*|\.(?:_local_tensor|_buffers|_parameters|_modules|_init_group|"
                      r"_sync_param_groups|_optimizer_step_\w+|_global_optimizer_\w+|_execution_engine)\b")
+
+
+def test_checkpoint_module_recomputes_in_place_like_torch_utils_checkpoint():
+    """Same gradients as the public torch.utils.checkpoint.checkpoint, the module's names and
+    state-dict keys unchanged, and the forward run again in backward."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+
+    x = torch.randn(5, 4)
+    ref = net()
+    torch.utils.checkpoint.checkpoint(ref, x, use_reentrant=False).square().sum().backward()
+    mod = net()
+    names, keys = [n for n, _ in mod.named_parameters()], list(mod.state_dict())
+    calls = []
+    mod[0].register_forward_hook(lambda m, a, o: calls.append(1))
+    assert checkpoint_module(mod) is mod
+    mod(x).square().sum().backward()
+    assert [n for n, _ in mod.named_parameters()] == names and list(mod.state_dict()) == keys
+    assert len(calls) == 2
+    for (n, p), q in zip(mod.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
 def test_no_other_engine_or_model_module_names_a_private_torch_api():

@@ -270,8 +270,6 @@ class HybridParallelPlugin(Plugin):
             yield module
             return
         root, plan, handles = self._row_seams
-        for name in plan.row_attention:
-            del root.get_submodule(name).gather_kv  # the instance's RowKVGather; the class's identity shows
         for handle in handles:
             handle.remove()
         try:

@@ -114,6 +114,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="--plugin gemini: the device tier (default auto: CUDA when a GPU is visible, else CPU; "
                         "cuda is refused where there is none)")
     p.add_argument("--no-sklearn-eval", action="store_true", help="skip the scikit-learn dataset evaluation")
+    p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+                   help="recompute every block's activations in backward instead of keeping them: activation "
+                        "memory of one block for ~1/3 more compute; every plugin but gemini")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block (dynamic shapes) before the engine wraps the model; plugins "
                         "single, ddp, zero. Off by default: on CPUs it was measured slower (BENCHMARKS.md)")
@@ -143,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["eval_sklearn"] = False
     if args.compile:
         overrides["compile"] = True
+    if args.activation_checkpointing:
+        overrides["activation_checkpointing"] = True
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
     main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart, bar=show_progress(args))

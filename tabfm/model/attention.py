@@ -56,7 +56,7 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 @dataclass
 class KVCache:
-    """Keys/values of one row attention's key rows, after `gather_kv`: recorded by a pass over
+    """Keys/values of one row attention's key rows, after its `RowKeys` seam: recorded by a pass over
     a context alone, then read by passes over query rows only (eval-time inference)."""
 
     k: torch.Tensor | None = None  # (B*C, H, Rk, hd)
@@ -89,27 +89,33 @@ class ColumnAttention(_FusedAttention):
         return self.out(o.transpose(1, 2).reshape(b, r, c, -1))
 
 
+class RowKeys(nn.Module):
+    """The row attention's keys, values and key mask: identity on one device.
+
+    The seam for row-sequence parallelism, declared in `ParallelPlan.row_attention`: the engine
+    registers a forward hook on it that returns the keys of every rank's rows (an all-gather), so
+    the model holds no engine code and nothing on it is replaced."""
+
+    def forward(self, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """k, v (B*C, H, Rk, hd); kv_mask (B, Rk) bool or None (all keys real)."""
+        return k, v, kv_mask
+
+
 class RowAttention(_FusedAttention):
     """Each cell attends to the cells of its own column in the key rows (thinking rows and
     context rows); queries are all rows. The model orders rows so the key rows come first:
     keys/values are the prefix of `n_keys` rows, a view, no gather. Non-key rows therefore
     never influence any other row.
 
-    `gather_kv` is the seam for row-sequence parallelism: a plugin replaces it with an
-    all-gather of keys, values and key mask along the row axis (a None mask means all local
-    keys are real; the mask marks real keys only, and may leave a table none on a rank). The
-    first `shared_keys` keys (the model's learned thinking rows) are the same on every rank,
-    so such a plugin keeps them from only one rank.
+    Keys, values and key mask pass through `self.keys` (`RowKeys`), the seam where row-sequence
+    parallelism gathers them over the ranks holding the table's other rows (a hook may return a
+    mask of 1 row, the same for every table, and leave a table no key on a rank).
     """
 
-    shared_keys: int = 0  # leading keys identical on every rank (set by TabFM: n_thinking_rows)
-
-    def gather_kv(
-        self, k: torch.Tensor, v: torch.Tensor, kv_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """k, v (B*C, H, Rk, hd); kv_mask (B, Rk) bool or None. Identity on one device.
-        A replacement may return a mask of 1 row (the same for every table)."""
-        return k, v, kv_mask
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.keys = RowKeys()
 
     def forward(self, x: torch.Tensor, n_keys: int, kv_mask: torch.Tensor | None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -133,7 +139,7 @@ class RowAttention(_FusedAttention):
             if n_keys < r:
                 k, v = k[:, :n_keys], v[:, :n_keys]
             q, k, v = (t.permute(0, 2, 3, 1, 4).reshape(b * c, h, t.shape[1], self.head_dim) for t in (q, k, v))
-            k, v, kv_mask = self.gather_kv(k, v, kv_mask)
+            k, v, kv_mask = self.keys(k, v, kv_mask)
             if cache is not None:
                 cache.k, cache.v, cache.kv_mask = k, v, kv_mask
         mask = None

@@ -42,7 +42,6 @@ class ModelConfig:
     n_thinking_rows         learned extra rows added to every table's context.
     dropout                 dropout on attention weights and residual branches.
     norm_eps                RMSNorm epsilon.
-    activation_checkpointing  recompute each block in backward (torch.utils.checkpoint).
     context_features        what the model reads beyond a table's own columns: the name of a
                             tabfm.data.context_features spec ("none", "knn-linear", "knn") whose extra
                             columns every prediction episode of its pretraining carried. Not
@@ -67,7 +66,6 @@ class ModelConfig:
     n_thinking_rows: int = 0
     dropout: float = 0.0
     norm_eps: float = 1e-5
-    activation_checkpointing: bool = False
     cells_per_token: int = 1
     context_features: str = "none"
 
@@ -109,7 +107,6 @@ class ModelConfig:
         need(self.norm_eps > 0, "norm_eps", "must be > 0")
         need(self.context_features in CONTEXT_FEATURES, "context_features",
              f"must be one of {', '.join(CONTEXT_FEATURES)}")
-        need(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be a bool")
         return self
 
     # ------------------------------------------------------------------ presets
@@ -129,11 +126,17 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
         """Inverse of `to_dict`; unknown keys are an error (a typo must not pass silently)."""
         known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k not in RETIRED_FIELDS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig field(s) {unknown}; known: {sorted(known)}")
         return cls(**data)
 
+
+# fields older exports carry that no longer describe the weights (read and ignored)
+RETIRED_FIELDS = {
+    "activation_checkpointing",  # an engine setting now: tabfm.parallel.checkpoint_blocks, --activation-checkpointing
+}
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=96, n_layers=4, n_heads=4, mlp_ratio=2.0, n_bins=64, n_thinking_rows=0),

@@ -214,17 +214,12 @@ class CellEncoder(nn.Module):
         col_tok = self.column(col_vec)[:, None]  # (B, 1, C, d)
         code_tok = self.code(code_vec)  # (B, C, K, d)
         is_cat = (kind == CATEGORICAL) & ~missing
-        if bool(is_cat.any()):
-            codes = torch.where(is_cat, x, 0.0).long()  # (B, R, C)
-            bi = torch.arange(b, device=x.device)[:, None, None]
-            ci = torch.arange(c, device=x.device)[None, None, :]
-            tokens = tokens + code_tok[bi, ci, codes] * is_cat[..., None].to(code_tok.dtype)
-        else:  # every parameter stays in the graph (data-parallel wrappers expect gradients for all)
-            col_tok = col_tok + 0.0 * code_tok.sum()
+        codes = torch.where(is_cat, x, 0.0).long()  # (B, R, C); every cell looks up a code, numeric ones masked out
+        bi = torch.arange(b, device=x.device)[:, None, None]
+        ci = torch.arange(c, device=x.device)[None, None, :]
+        tokens = tokens + code_tok[bi, ci, codes] * is_cat[..., None].to(code_tok.dtype)
 
-        if not self.config.n_thinking_rows:
-            tokens = tokens + (col_tok + self.thinking.sum())  # empty sum: 0, keeps the parameter in the graph
-        elif thinking:
+        if thinking:  # the thinking rows lead; with n_thinking_rows = 0 an empty block (still in the graph)
             think = self.thinking[None, :, None, :] + col_tok  # (B, T, C, d)
             tokens = torch.cat([think.to(tokens.dtype), tokens + col_tok], dim=1)
         else:

@@ -30,20 +30,19 @@ def masked_cell_loss(output: ModelOutput, batch: TableBatch) -> tuple[torch.Tens
     is_cat = known & (output.kind == CATEGORICAL) & (output.cardinality <= k)
     is_num = known & (output.kind == NUMERIC)
 
+    # no branch on the data: an empty selection still reaches its head (with zero gradient), so
+    # every parameter is in every step's graph, as data-parallel gradient reduction expects
     cat_logits = output.cat_logits[is_cat]
     cat_target = target[is_cat].long()
-    cat_nll = F.cross_entropy(cat_logits, cat_target, reduction="sum") if cat_target.numel() else cat_logits.sum() * 0
+    cat_nll = F.cross_entropy(cat_logits, cat_target, reduction="sum")
 
     z = (target[is_num].double() - output.mean[is_num]) / output.std[is_num]
     lim = Z_CLAMP * output.bar.edges[-1].item()
-    num_logits = output.num_logits[is_num]
-    num_nll = output.bar.nll(num_logits, z.clamp(-lim, lim)).sum() if z.numel() else num_logits.sum() * 0
+    num_nll = output.bar.nll(output.num_logits[is_num], z.clamp(-lim, lim)).sum()
 
     n_cat, n_num = int(cat_target.numel()), int(z.numel())
     cells = n_cat + n_num
-    # zero-weight term keeps every head in the graph (DDP needs all parameters used)
-    keep = (output.cat_logits.nan_to_num(0, 0, 0).sum() + output.num_logits.sum()) * 0.0
-    loss = (cat_nll + num_nll.to(cat_nll.dtype)) / max(cells, 1) + keep
+    loss = (cat_nll + num_nll.to(cat_nll.dtype)) / max(cells, 1)
     with torch.no_grad():
         cat_acc = float((cat_logits.argmax(-1) == cat_target).float().mean()) if n_cat else float("nan")
     metrics = {

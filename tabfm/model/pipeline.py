@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from tabfm.data.batch import TableBatch
 from tabfm.parallel.plan import PipelinePlan
@@ -76,12 +75,8 @@ class TabFMStage(nn.Module):
         else:
             x, mean, std, code_vectors = received
         col_mask, n_keys, kv_mask = _attention_masks(batch, t)
-        use_ckpt = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks.values():
-            if use_ckpt:
-                x = checkpoint(block, x, col_mask, n_keys, kv_mask, use_reentrant=False)
-            else:
-                x = block(x, col_mask, n_keys, kv_mask)
+            x = block(x, col_mask, n_keys, kv_mask)
         if not self.last:
             return x, mean, std, code_vectors
         bi, ri, ci = index.unbind(1)

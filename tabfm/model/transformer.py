@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from tabfm.data.batch import TableBatch
 from tabfm.parallel.plan import ParallelPlan
@@ -134,8 +133,6 @@ class TabFM(nn.Module):
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.num_head = NumericHead(config.d_model, config.n_bins, config.bin_range)
         self.cat_head = CategoricalHead(config.d_model, config.id_dim)
-        for block in self.blocks:  # the thinking rows lead every rank's keys (row-sequence parallelism)
-            block.row_attn.shared_keys = config.n_thinking_rows
         self._scale_residual_outputs()
 
     def _scale_residual_outputs(self) -> None:
@@ -161,12 +158,8 @@ class TabFM(nn.Module):
         x, facts = self.encoder(batch, id_seed)
         x, col_valid, slots = self._tokens(x, batch, facts)
         col_mask, n_keys, kv_mask = _attention_masks(batch, t, col_valid)
-        use_ckpt = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            if use_ckpt:
-                x = checkpoint(block, x, col_mask, n_keys, kv_mask, use_reentrant=False)
-            else:
-                x = block(x, col_mask, n_keys, kv_mask)
+            x = block(x, col_mask, n_keys, kv_mask)
         return self._heads(self._query_states(x, bi, ri + t, ci, slots), index, batch, facts)
 
     def _tokens(self, x: torch.Tensor, batch: TableBatch, facts: ColumnFacts
@@ -261,7 +254,8 @@ class TabFM(nn.Module):
                 "blocks.*.mlp.fc1": "colwise",
                 "blocks.*.mlp.fc2": "rowwise",
             },
-            row_attention=[f"blocks.{i}.row_attn" for i in range(n)],
+            row_attention=[f"blocks.{i}.row_attn.keys" for i in range(n)],
+            shared_row_keys=self.config.n_thinking_rows,  # the thinking rows lead every rank's keys
             row_statistics=["encoder.stats"],
             num_heads=self.config.n_heads,
             pipeline=pipeline_plan(self),

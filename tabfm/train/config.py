@@ -44,6 +44,8 @@ class PretrainConfig:
     grad_accum     micro-batches per optimizer step
     max_bad_steps  steps in a row with a non-finite loss or gradient norm (each skipped) that stop the
                    run, after a checkpoint of the weights from before them
+    activation_checkpointing  recompute every block's activations in backward
+                   (tabfm.parallel.checkpoint_blocks): activation memory of one block, ~1/3 more compute
     compile        torch.compile every block (tabfm.parallel.compile_blocks, dynamic shapes) before the
                    engine wraps the model; with plugins single, ddp and zero (FSDP, hybrid and Gemini hook
                    the blocks themselves). Measured slower on CPUs (BENCHMARKS.md); off by default
@@ -128,6 +130,7 @@ class PretrainConfig:
     gemini_disk_dir: str | None = None
     gemini_device: str | None = None
     compile: bool = False
+    activation_checkpointing: bool = False
 
     PRESETS = {
         # stage 1 of the shipped tabfm-tiny: 31 min on 2 vCPU with --threads 1; stage 2 warm-starts
@@ -234,6 +237,11 @@ class PretrainConfig:
                  "--grad-accum")
         self._check_gemini(need)
         need(isinstance(self.compile, bool), "compile", "must be True or False")
+        need(isinstance(self.activation_checkpointing, bool), "activation_checkpointing", "must be True or False")
+        need(not self.activation_checkpointing or self.plugin != "gemini", "activation_checkpointing",
+             "--activation-checkpointing is not offered with --plugin gemini: Gemini's chunk hooks do not yet "
+             "handle a block recomputed in backward (its losses left one process's after the first step); use "
+             "--plugin fsdp or zero for activation memory")
         need(not self.compile or self.plugin in ("single", "ddp", "zero"), "compile",
              f"--compile compiles the blocks for --plugin single, ddp or zero; --plugin {self.plugin} wraps the "
              "blocks itself (its hooks would break the compiled graphs), so it is not offered there yet")

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, compile_blocks, latest_checkpoint, load_exported
+from tabfm.parallel import (
+    Booster, Plugin, SingleProcessPlugin, checkpoint_blocks, compile_blocks, latest_checkpoint, load_exported,
+)
 from tabfm.parallel.checkpoint import MANIFEST, read_manifest
 from tabfm.parallel.export import export_model
 from tabfm.parallel.launch import barrier, launch
@@ -241,6 +243,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
         warm_start(model, cfg.init)
+    if cfg.activation_checkpointing:  # before compiling and data-parallel wrapping (torchtitan's order)
+        checkpoint_blocks(model, model.parallel_plan())
     if cfg.compile:
         compile_blocks(model, model.parallel_plan())
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
