@@ -6,6 +6,7 @@ from .checkpoint import (
     CheckpointIO,
     CheckpointMeta,
     GeneralCheckpointIO,
+    GeneralCheckpointReader,
     checkpoint_dir,
     latest_checkpoint,
     list_checkpoints,
@@ -19,7 +20,7 @@ from .plugin import Plugin
 from .plugins import (
     HybridParallelPlugin,
     LowLevelZeroPlugin,
-    ReplicatedCheckpointIO,
+    ReplicatedCheckpointReader,
     SingleProcessPlugin,
     TorchDDPPlugin,
     TorchFSDPPlugin,
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointMeta",
     "DynamicLossScaler",
     "GeneralCheckpointIO",
+    "GeneralCheckpointReader",
     "MixedPrecision",
     "ModelWrapper",
     "OptimizerWrapper",
@@ -49,6 +51,6 @@ __all__ = [
     "save_state",
     "HybridParallelPlugin",
     "DeviceBudgetError", "GeminiPlugin",
-    "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointIO", "TorchDDPPlugin", "TorchFSDPPlugin",
+    "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointReader", "TorchDDPPlugin", "TorchFSDPPlugin",
     "build_mesh", "checkpoint_blocks", "compile_blocks", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
 ]

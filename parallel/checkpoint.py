@@ -343,29 +343,22 @@ def sharded_reader(group: Any = None) -> CheckpointIO:
     return ShardedCheckpointIO(group)
 
 
-class GeneralCheckpointIO(CheckpointIO):
-    """Full (unsharded) tensors written by this process: the single-process reference."""
+class GeneralCheckpointReader:
+    """Reads "general" checkpoints (full tensors, written by one process) into this process's objects.
+
+    A distributed plugin's checkpoint IO writes "sharded" checkpoints and reads general ones
+    through a reader of this kind (its `fallback`): subclasses say how full state reaches their
+    (possibly sharded) objects (`load_full_model_state`, `load_full_optimizer_state`) and which
+    process group they read in (`group`, for each rank's own saved RNG state)."""
 
     name = "general"
-
-    def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
-        path = Path(path)
-        with atomic_directory(path) as tmp:
-            if model is not None:
-                save_weights(unwrap_model(model).state_dict(), tmp / "model.safetensors")
-            if optimizer is not None:
-                save_state(optimizer.state_dict(), tmp / "optimizer")
-            if lr_scheduler is not None:
-                save_state(lr_scheduler.state_dict(), tmp / "scheduler")
-            save_state({"trainer": dict(extra or {}), "rng": capture_rng_state()}, tmp / "extra")
-            write_manifest(tmp, meta, self.name)
-        if keep_last is not None:
-            prune_checkpoints(path.parent, keep_last, keep=path)
-        return path
-
-    group: Any = None  # process group of a distributed reader (ReplicatedCheckpointIO)
+    group: Any = None
 
     def _rank_world(self) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        if self.group is not None or (dist.is_available() and dist.is_initialized()):
+            return dist.get_rank(self.group), dist.get_world_size(self.group)
         return 0, 1
 
     # --- hooks: how full state reaches the (possibly sharded) objects of a reader's plugin --------
@@ -397,3 +390,25 @@ class GeneralCheckpointIO(CheckpointIO):
             ranks = state.get("rng_ranks")
             restore_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
         return state["trainer"]
+
+
+class GeneralCheckpointIO(GeneralCheckpointReader, CheckpointIO):
+    """Full (unsharded) tensors written by this process: the single-process reference."""
+
+    def _rank_world(self) -> tuple[int, int]:
+        return 0, 1
+
+    def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
+        path = Path(path)
+        with atomic_directory(path) as tmp:
+            if model is not None:
+                save_weights(unwrap_model(model).state_dict(), tmp / "model.safetensors")
+            if optimizer is not None:
+                save_state(optimizer.state_dict(), tmp / "optimizer")
+            if lr_scheduler is not None:
+                save_state(lr_scheduler.state_dict(), tmp / "scheduler")
+            save_state({"trainer": dict(extra or {}), "rng": capture_rng_state()}, tmp / "extra")
+            write_manifest(tmp, meta, self.name)
+        if keep_last is not None:
+            prune_checkpoints(path.parent, keep_last, keep=path)
+        return path

@@ -52,6 +52,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .checkpoint import (
     CheckpointIO,
+    GeneralCheckpointReader,
     CheckpointMeta,
     atomic_directory,
     capture_rng_state,
@@ -206,7 +207,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     name = SHARDED_IO_NAME
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None, fallback: CheckpointIO | None = None) -> None:
+    def __init__(self, group: "dist.ProcessGroup | None" = None, fallback: GeneralCheckpointReader | None = None) -> None:
         self.group = group
         self.fallback = fallback  # reads checkpoints of another format (e.g. "general") into this layout
 

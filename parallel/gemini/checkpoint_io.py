@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import unwrap_model
-from ..plugins.ddp import ReplicatedCheckpointIO
+from ..plugins.ddp import ReplicatedCheckpointReader
 from ..sharded_checkpoint import ShardedCheckpointIO, _check_groups, _StateHolder
 from ..state_io import load_state, load_weights
 
@@ -176,7 +176,7 @@ class GeminiCheckpointIO(ShardedCheckpointIO):
                                    f"export {out_dir}"))
 
 
-class GeminiGeneralReader(ReplicatedCheckpointIO):
+class GeminiGeneralReader(ReplicatedCheckpointReader):
     """Reads "general" (full-tensor, single-process) checkpoints into a Gemini run at any world
     size: every rank reads the full tensors and keeps its slices. Writing is GeminiCheckpointIO's."""
 

@@ -6,7 +6,7 @@ needs no extra communication. `no_sync` is DDP's own (really skips the allreduce
 
 Checkpoints are sharded (`ShardedCheckpointIO`, torch.distributed.checkpoint into safetensors
 shards): every rank writes its part and its own trainer/RNG state, and any layout loads them.
-`ReplicatedCheckpointIO` is kept to read "general" (full-copy, single-process) checkpoints
+`ReplicatedCheckpointReader` is kept to read "general" (full-copy, single-process) checkpoints
 into a replicated run: rank 0's gathered copy, loaded by every rank.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from ..checkpoint import GeneralCheckpointIO
+from ..checkpoint import GeneralCheckpointReader
 from ..plugin import Plugin
 from ..sharded_checkpoint import ShardedCheckpointIO
 from ..precision import MixedPrecision
@@ -34,31 +34,15 @@ def _require_process_group() -> None:
                            "(under torchrun), or use SingleProcessPlugin")
 
 
-class ReplicatedCheckpointIO(GeneralCheckpointIO):
-    """Reads a "general" (full-tensor, single-process) checkpoint into a distributed run.
+class ReplicatedCheckpointReader(GeneralCheckpointReader):
+    """Reads a "general" (full-tensor, single-process) checkpoint into a distributed run: the
+    fallback reader of the distributed plugins' ShardedCheckpointIO (which saves and exports).
 
-    Distributed plugins save through ShardedCheckpointIO and use this as its fallback reader:
-    every rank loads the full state (ZeroRedundancyOptimizer keeps its own partition of it;
-    `FullStateFSDPCheckpointIO` scatters it into FSDP2 shards). Saving and exporting go through
-    ShardedCheckpointIO, never here.
-    """
-
-    name = "general"
+    Every rank loads the full state (ZeroRedundancyOptimizer keeps its own partition of it;
+    `FullStateFSDPReader` scatters it into FSDP2 shards)."""
 
     def __init__(self, group: "dist.ProcessGroup | None" = None) -> None:
         self.group = group
-
-    def _rank_world(self) -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(self.group), dist.get_world_size(self.group)
-        return 0, 1
-
-    def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
-        raise NotImplementedError("distributed runs save through ShardedCheckpointIO; "
-                                  f"{type(self).__name__} only reads general checkpoints")
-
-    def export(self, model, out_dir, config):
-        raise NotImplementedError("distributed runs export through ShardedCheckpointIO")
 
 
 class TorchDDPPlugin(Plugin):
@@ -91,7 +75,7 @@ class TorchDDPPlugin(Plugin):
             device = current().device
         self._device = torch.device(device)
         self._ddp: DDP | None = None
-        self._checkpoint_io = ShardedCheckpointIO(process_group, fallback=ReplicatedCheckpointIO(process_group))
+        self._checkpoint_io = ShardedCheckpointIO(process_group, fallback=ReplicatedCheckpointReader(process_group))
 
     # --- topology --------------------------------------------------------------------------
     @property

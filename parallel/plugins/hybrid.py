@@ -73,7 +73,7 @@ from ..tensor_parallel import check_tp_layout, parallelize_tensor
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from .ddp import _require_process_group
 from .zero import (
-    FullStateFSDPCheckpointIO,
+    FullStateFSDPReader,
     _param_names_by_group,
     _resolve_blocks,
     rebuild_optimizer,
@@ -172,7 +172,7 @@ class HybridParallelPlugin(Plugin):
         self.tp_styles: dict[str, str] = {}
         self._runner: PipelineRunner | None = None
         self._row_seams: tuple[nn.Module, ParallelPlan, list[Any]] | None = None
-        self._checkpoint_io = ShardedCheckpointIO(None, fallback=FullStateFSDPCheckpointIO(self))
+        self._checkpoint_io = ShardedCheckpointIO(None, fallback=FullStateFSDPReader(self))
 
     # --- topology --------------------------------------------------------------------------
     @property
@@ -329,7 +329,7 @@ class HybridParallelPlugin(Plugin):
         if criterion is not None and self.sp_size > 1:
             criterion = RowShardedCriterion(criterion, rows, count=self.loss_count)
         self._checkpoint_io = PipelineCheckpointIO(stage_keys, key_meta, self.pp_rank, self._group(self.pp_mesh),
-                                                   self.device, fallback=FullStateFSDPCheckpointIO(self))
+                                                   self.device, fallback=FullStateFSDPReader(self))
         return (self.wrap_model(stage, PipelineOnlyModule(stage)), wrapped_optimizer, criterion, dataloader,
                 lr_scheduler)
 

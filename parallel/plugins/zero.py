@@ -19,7 +19,7 @@ and reduce-scatter run as rings of point-to-point exchanges (`RingAllGather`,
 Checkpoints are sharded (`ShardedCheckpointIO`): each rank writes its own shards through
 torch.distributed.checkpoint, and a checkpoint reshards on load to any plugin and world size,
 a single process included. "General" (full-tensor) checkpoints load too: at stage 1 through
-`ReplicatedCheckpointIO`, at stage 2 / FSDP through `FullStateFSDPCheckpointIO`, which
+`ReplicatedCheckpointReader`, at stage 2 / FSDP through `FullStateFSDPReader`, which
 scatters the full state into the shards.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ..state_io import load_weights
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from ..sharded_checkpoint import ShardedCheckpointIO
 from ..torch_internals import adam_init_group, dtensor_storage, step_hooks_registered, sync_zero_param_groups
-from .ddp import ReplicatedCheckpointIO, TorchDDPPlugin
+from .ddp import ReplicatedCheckpointReader, TorchDDPPlugin
 
 
 def _optimizer_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -231,7 +231,7 @@ class RingReduceScatter:
             out.div_(world)
 
 
-class FullStateFSDPCheckpointIO(ReplicatedCheckpointIO):
+class FullStateFSDPReader(ReplicatedCheckpointReader):
     """Reads a "general" (full-tensor) checkpoint into FSDP2 (DTensor) shards: the fallback
     reader of the sharded plugins' ShardedCheckpointIO."""
 
@@ -287,7 +287,7 @@ class FullyShardPlugin(TorchDDPPlugin):
         self._param_names: list[str] = []  # the rebuilt optimizer's parameters, in order (checkpoint keys)
         self._fsdp_module: nn.Module | None = None
         self.fsdp_units: list[str] = []  # names of the modules given to fully_shard ("" = the root)
-        self._checkpoint_io = ShardedCheckpointIO(fallback=FullStateFSDPCheckpointIO(self))
+        self._checkpoint_io = ShardedCheckpointIO(fallback=FullStateFSDPReader(self))
 
     def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                blocks: Sequence[str] = (), **fully_shard_kwargs: Any) -> tuple[ModelWrapper, OptimizerWrapper | None]:
@@ -395,7 +395,7 @@ class LowLevelZeroPlugin(FullyShardPlugin):
         super().__init__(precision=precision, **ddp_kwargs)
         if stage == 1:
             self._checkpoint_io = ShardedCheckpointIO(self.process_group,
-                                                      fallback=ReplicatedCheckpointIO(self.process_group))
+                                                      fallback=ReplicatedCheckpointReader(self.process_group))
 
     def configure(
         self,
