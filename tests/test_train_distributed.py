@@ -329,6 +329,9 @@ def test_plugin_errors_name_the_fix(tmp_path, monkeypatch, capsys):
     assert "torchrun --nproc_per_node N" in capsys.readouterr().err
     assert main([*args, "--plugin", "ddp", "--zero-stage", "2"]) == 2
     assert "--zero-stage applies to --plugin zero" in capsys.readouterr().err
+    for plugin, stage in (("zero", "3"), ("hybrid", "1")):
+        assert main([*args, "--plugin", plugin, "--zero-stage", stage]) == 2
+        assert f"--zero-stage {stage} with --plugin {plugin}" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main([*args, "--plugin", "single"]) == 2
     assert "use --plugin ddp" in capsys.readouterr().err

@@ -255,25 +255,24 @@ class HybridParallelPlugin(Plugin):
 
     @contextlib.contextmanager
     def evaluation(self, model: ModelWrapper) -> Iterator[nn.Module]:
-        """The unwrapped model, computing whole batches on every rank (for evaluators that call
-        it on their own batches). Under sp its row seams (K/V all-gathers, statistics
-        all-reduces) are suspended meanwhile, so a full table is not counted sp times;
-        tensor-parallel and FSDP layers stay, so every rank must evaluate together."""
-        if self._runner is not None:  # pp > 1: whole batches through the stages, the output on every rank
-            if self.sp_size > 1:
-                raise NotImplementedError("evaluating a pipeline-parallel model with sp > 1 is not implemented: "
-                                          "the stages' row seams would have to be suspended; use pp with tp / dp")
-            yield PipelineEvalModule(self._runner)
-            return
-        module = model.unwrap()
+        """The model computing whole batches on every rank (for evaluators that call it on their
+        own batches): the unwrapped model, or under pp the pipeline run forward-only on whole
+        batches. Under sp its row seams (K/V all-gathers, statistics all-reduces) are suspended
+        meanwhile, so a full table is not counted sp times; tensor-parallel and FSDP layers stay,
+        so every rank must evaluate together."""
+        with self._row_seams_suspended():
+            yield PipelineEvalModule(self._runner) if self._runner is not None else model.unwrap()
+
+    @contextlib.contextmanager
+    def _row_seams_suspended(self) -> Iterator[None]:
         if self._row_seams is None:
-            yield module
+            yield
             return
         root, plan, handles = self._row_seams
         for handle in handles:
             handle.remove()
         try:
-            yield module
+            yield
         finally:
             self._row_seams = (root, plan, parallelize_rows(root, plan, self._group(self.sp_mesh)))
 
@@ -310,7 +309,7 @@ class HybridParallelPlugin(Plugin):
         for part in mine if tp_styles else ():
             self.tp_styles.update(parallelize_stage_tensor(part, self.tp_mesh, tp_styles))
         if self.sp_size > 1:  # the stages hold the model's own modules: its seams are theirs
-            parallelize_rows(model, plan, self._group(self.sp_mesh))
+            self._row_seams = (model, plan, parallelize_rows(model, plan, self._group(self.sp_mesh)))
         stage = merge_modules(mine)  # this rank's part of the model, under the model's names
         rows = RowShardedModule(stage, sp_group=self._group(self.sp_mesh), device=self.device)  # cuts rows
         self._runner = PipelineRunner(mine, plan.pipeline, self.pp_rank, self.pp_size, self._group(self.pp_mesh),

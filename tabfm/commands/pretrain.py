@@ -94,8 +94,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plugin", default="single", choices=PRETRAIN_PLUGINS,
                    help="engine plugin: single (one process), ddp | zero | fsdp | hybrid under torchrun, or gemini "
                         "(device budget + host/disk offload; one process or under torchrun)")
-    p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
-                   help="ZeRO stage for --plugin zero (default 1)")
+    p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2, 3), default=None,
+                   help="--plugin zero: 1 (sharded optimizer state, default) or 2 (+ gradients); --plugin hybrid: "
+                        "2 or 3 (FSDP2 over the data-parallel x row-sequence ranks; default replicated)")
     p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table")
     p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
     p.add_argument("--pp", type=int, default=None,
@@ -136,8 +137,6 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
     overrides["plugin"] = args.plugin
     if args.zero_stage is not None:
-        if args.plugin != "zero":
-            raise ValueError(f"--zero-stage applies to --plugin zero, not --plugin {args.plugin}")
         overrides["zero_stage"] = args.zero_stage
     for name in ("tp", "sp", "pp", *PretrainConfig.GEMINI_FLAGS):
         if getattr(args, name) is not None:

@@ -60,7 +60,8 @@ class PretrainConfig:
                    config); optimizer, schedule and stream start fresh. Ignored when the run resumes.
     plugin         engine plugin: single | ddp | zero | fsdp | hybrid | gemini (the distributed ones run under
                    torchrun; gemini runs in one process or under torchrun)
-    zero_stage     ZeRO stage of plugin "zero": 1 (sharded optimizer state) or 2 (+ sharded gradients)
+    zero_stage     ZeRO stage: --plugin zero 1 (sharded optimizer state, the default) or 2 (+ sharded
+                   gradients); --plugin hybrid 2 or 3 (FSDP2 over the dp x sp ranks; default: replicated)
     tp, sp         plugin "hybrid": tensor-parallel ranks (attention heads and MLP width split) and
                    row-sequence-parallel ranks (each table's rows split); the remaining
                    world / (tp x sp) ranks are data parallel. Ranks of one tp x sp group train on
@@ -120,7 +121,7 @@ class PretrainConfig:
     device: str | None = None
     init: str | None = None
     plugin: str = "single"
-    zero_stage: int = 1
+    zero_stage: int | None = None
     tp: int = 1
     sp: int = 1
     pp: int = 1
@@ -222,7 +223,11 @@ class PretrainConfig:
         need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
         need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
         need(self.plugin in PRETRAIN_PLUGINS, "plugin", f"must be one of {', '.join(PRETRAIN_PLUGINS)}")
-        need(self.zero_stage in (1, 2), "zero_stage", "must be 1 or 2 (ZeRO-3 is --plugin fsdp)")
+        stages = {"zero": (1, 2), "hybrid": (2, 3)}.get(self.plugin, ())
+        need(self.zero_stage is None or self.zero_stage in stages, "zero_stage",
+             f"--zero-stage {self.zero_stage} with --plugin {self.plugin}: --zero-stage applies to --plugin zero "
+             "(1 or 2; ZeRO-3 is --plugin fsdp) and --plugin hybrid (2 or 3: FSDP2 over the data-parallel "
+             "and row-sequence ranks)")
         for name in ("tp", "sp", "pp"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
             need(getattr(self, name) == 1 or self.plugin == "hybrid", name,
@@ -232,7 +237,6 @@ class PretrainConfig:
         if self.pp > 1:
             need(self.microbatches >= self.pp, "microbatches",
                  f"--pp {self.pp} streams micro-batches through {self.pp} stages: --microbatches must be >= {self.pp}")
-            need(self.sp == 1, "pp", "--pp with --sp is not available from the command line yet; use --tp")
             need(self.grad_accum == 1, "pp", "--pp runs one pipeline per step: raise --microbatches instead of "
                  "--grad-accum")
         self._check_gemini(need)

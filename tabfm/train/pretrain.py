@@ -88,11 +88,12 @@ def build_plugin(cfg: PretrainConfig) -> Plugin:
     if cfg.plugin == "zero":
         from tabfm.parallel.plugins.zero import LowLevelZeroPlugin
 
-        return LowLevelZeroPlugin(stage=cfg.zero_stage, device=cfg.device)
+        return LowLevelZeroPlugin(stage=cfg.zero_stage or 1, device=cfg.device)
     if cfg.plugin == "hybrid":
         from tabfm.parallel.plugins.hybrid import HybridParallelPlugin
 
-        return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, pp_size=cfg.pp, device=cfg.device,
+        return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, pp_size=cfg.pp, zero_stage=cfg.zero_stage or 0,
+                                    device=cfg.device,
                                     num_microbatches=cfg.microbatches if cfg.pp > 1 else None)
     from tabfm.parallel.plugins.fsdp import TorchFSDPPlugin
 
