@@ -15,7 +15,8 @@ from .export import export_model, load_exported
 from .gemini import DeviceBudgetError, GeminiPlugin
 from .launch import DistInfo, destroy, launch, seed_for_rank
 from .mesh import MeshSpec, build_mesh, resolve_mesh_spec
-from .plan import ParallelPlan
+from .parallelize import Parallelized, parallelize
+from .plan import ParallelPlan, plan_of
 from .plugin import Plugin
 from .plugins import (
     HybridParallelPlugin,
@@ -52,5 +53,6 @@ __all__ = [
     "HybridParallelPlugin",
     "DeviceBudgetError", "GeminiPlugin",
     "DistInfo", "LowLevelZeroPlugin", "MeshSpec", "ReplicatedCheckpointReader", "TorchDDPPlugin", "TorchFSDPPlugin",
-    "build_mesh", "checkpoint_blocks", "compile_blocks", "destroy", "launch", "resolve_mesh_spec", "seed_for_rank",
+    "Parallelized", "build_mesh", "checkpoint_blocks", "compile_blocks", "destroy", "launch", "parallelize", "plan_of",
+    "resolve_mesh_spec", "seed_for_rank",
 ]

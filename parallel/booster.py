@@ -32,12 +32,18 @@ class Booster:
 
     plugin      the strategy (default: `SingleProcessPlugin()` on the best local device).
     precision   "fp32" | "bf16" | "fp16" | MixedPrecision; may instead be given to the plugin.
+    activation_checkpointing, compile
+                recompute / torch.compile the blocks the model's ParallelPlan names, applied by
+                the plugin in `boost` at their place in `tabfm.parallel.parallelize`'s order.
     """
 
-    def __init__(self, plugin: Plugin | None = None, precision: "str | MixedPrecision | None" = None) -> None:
+    def __init__(self, plugin: Plugin | None = None, precision: "str | MixedPrecision | None" = None, *,
+                 activation_checkpointing: bool = False, compile: bool = False) -> None:
         self.plugin = plugin if plugin is not None else SingleProcessPlugin()
         if precision is not None:
             self.plugin.set_precision(precision)
+        if activation_checkpointing or compile:
+            self.plugin.set_block_options(activation_checkpointing=activation_checkpointing, compile=compile)
 
     @property
     def device(self) -> torch.device:

@@ -73,3 +73,19 @@ class ParallelPlan:
             raise ValueError(f"shared_row_keys must be >= 0, got {self.shared_row_keys}")
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+
+
+def plan_of(model: nn.Module, needed_for: str | None = None) -> ParallelPlan:
+    """`model.parallel_plan()`, checked; an empty plan for a model without one, unless `needed_for`
+    names what cannot run without it (then a ValueError saying so)."""
+    plan_fn = getattr(model, "parallel_plan", None)
+    if plan_fn is None:
+        if needed_for:
+            raise ValueError(f"{type(model).__name__} declares no parallel_plan(): {needed_for} need one "
+                             "(tabfm.parallel.ParallelPlan)")
+        return ParallelPlan()
+    plan = plan_fn()
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"{type(model).__name__}.parallel_plan() returned {type(plan).__name__}, "
+                        "expected tabfm.parallel.plan.ParallelPlan")
+    return plan

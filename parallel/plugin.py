@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from .checkpoint import CheckpointIO, GeneralCheckpointIO
+from .parallelize import parallelize
+from .plan import plan_of
 from .precision import MixedPrecision
 from .wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 
@@ -90,6 +92,23 @@ class Plugin(ABC):
         lr_scheduler: Any | None = None,
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
         """Move/shard/wrap the objects; return them in the same order."""
+
+    # --- what is done to the model's blocks (Booster(activation_checkpointing=..., compile=...)) ---------
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def set_block_options(self, *, activation_checkpointing: bool = False, compile: bool = False) -> None:
+        """Recompute (activation checkpointing) and / or torch.compile the blocks the model's plan
+        names, at their place in `parallel.parallelize`'s order, when `configure` runs. Plugins
+        that cannot do one refuse it here, before anything is built."""
+        self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
+
+    def apply_block_options(self, model: nn.Module) -> None:
+        """Activation checkpointing and compiling for plugins without tensor or row-sequence
+        parallelism: the first thing their `configure` does (parallelize's steps 3 and 4)."""
+        if self.activation_checkpointing or self.compile:
+            parallelize(model, plan_of(model, "activation checkpointing and torch.compile of the blocks"),
+                        activation_checkpointing=self.activation_checkpointing, compile=self.compile)
 
     def wrap_model(self, module: nn.Module, distributed: nn.Module | None = None) -> ModelWrapper:
         """ModelWrapper around `distributed` (e.g. a DDP module) or `module`; unwrap() gives `module`."""

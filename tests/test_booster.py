@@ -201,6 +201,50 @@ def test_precision_given_twice_conflict_and_invalid():
         Booster(precision="fp8")
 
 
+class Blocks(nn.Module):
+    """Two blocks and a ParallelPlan naming them: what the block options act on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def parallel_plan(self):
+        from tabfm.parallel import ParallelPlan
+
+        return ParallelPlan(blocks=["blocks.0", "blocks.1"])
+
+
+def test_block_options_reach_the_blocks_through_boost():
+    """Booster(activation_checkpointing=True): the plugin recomputes every planned block in
+    backward (its forward runs twice) with the same gradients; a model without a plan is refused."""
+    x = torch.randn(3, 4)
+    grads = []
+    for ac in (False, True):
+        module, calls = Blocks(), []
+        module.blocks[1].register_forward_pre_hook(lambda m, a: calls.append(1))
+        model, *_ = Booster(SingleProcessPlugin("cpu"), activation_checkpointing=ac).boost(module)
+        model(x).square().sum().backward()
+        assert len(calls) == (2 if ac else 1)
+        grads.append([p.grad.clone() for p in module.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="declares no parallel_plan"):
+        Booster(SingleProcessPlugin("cpu"), compile=True).boost(make_mlp())
+
+
+def test_gemini_refuses_the_block_options():
+    from tabfm.parallel import GeminiPlugin
+
+    with pytest.raises(ValueError, match="GeminiPlugin .* recomputed in backward"):
+        Booster(GeminiPlugin(device="cpu"), activation_checkpointing=True)
+
+
 def test_execute_pipeline_not_supported():
     booster = Booster(SingleProcessPlugin("cpu"))
     with pytest.raises(TypeError, match="does not run pipeline parallelism"):

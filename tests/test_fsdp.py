@@ -405,21 +405,23 @@ def test_four_ranks_resume_a_single_process_general_checkpoint(results_4, kind):
 
 
 def test_plan_blocks_and_bad_block_names():
-    from tabfm.parallel.plugins.fsdp import plan_blocks
-    from tabfm.parallel.plugins.zero import _resolve_blocks
+    from tabfm.parallel.parallelize import resolve_blocks
+    from tabfm.parallel.plan import plan_of
 
-    assert plan_blocks(PlannedNet()) == ["blocks.0", "blocks.1"]
-    assert plan_blocks(nn.Linear(2, 2)) == []
+    assert plan_of(PlannedNet()).blocks == ["blocks.0", "blocks.1"]
+    assert plan_of(nn.Linear(2, 2)).blocks == []
+    with pytest.raises(ValueError, match=r"Linear declares no parallel_plan\(\): pipeline stages need one"):
+        plan_of(nn.Linear(2, 2), "pipeline stages")
     with pytest.raises(ValueError, match="no submodule 'blocks.7'"):
-        _resolve_blocks(PlannedNet(), ["blocks.7"])
-    assert [n for n, _ in _resolve_blocks(PlannedNet(), ["blocks", "blocks.0"])] == ["blocks.0", "blocks"]
+        resolve_blocks(PlannedNet(), ["blocks.7"])
+    assert [n for n, _ in resolve_blocks(PlannedNet(), ["blocks", "blocks.0"])] == ["blocks.0", "blocks"]
 
     class BadPlan(nn.Module):
         def parallel_plan(self):
             return {"blocks": []}
 
     with pytest.raises(TypeError, match="expected tabfm.parallel.plan.ParallelPlan"):
-        plan_blocks(BadPlan())
+        plan_of(BadPlan())
 
 
 def test_loss_scaler_unscales_dtensor_free_grads_and_reports_local_inf():

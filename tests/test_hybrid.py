@@ -524,8 +524,8 @@ def test_pretrain_command_hybrid_flags_name_the_fix(tmp_path, monkeypatch, capsy
     assert "--tp splits the model or its tables over ranks; it needs --plugin hybrid" in capsys.readouterr().err
     assert main([*args, "--plugin", "hybrid", "--pp", "2"]) == 2
     assert "--microbatches must be >= 2" in capsys.readouterr().err
-    assert main([*args, "--plugin", "hybrid", "--pp", "2", "--microbatches", "2", "--sp", "2"]) == 2
-    assert "--pp with --sp is not available" in capsys.readouterr().err
+    assert main([*args, "--plugin", "hybrid", "--pp", "2", "--microbatches", "2", "--grad-accum", "2"]) == 2
+    assert "raise --microbatches instead of --grad-accum" in capsys.readouterr().err
     assert main([*args, "--microbatches", "2", "--data", str(tmp_path)]) == 2
     assert "not with --data" in capsys.readouterr().err
     assert main([*args, "--plugin", "hybrid", "--sp", "2"]) == 2

@@ -53,7 +53,7 @@ from ..wrappers import ModelWrapper, OptimizerWrapper
 from .checkpoint_io import GeminiCheckpointIO
 from .chunks import ChunkManager
 from .comm import ShardComm
-from ..plugins.fsdp import plan_blocks
+from ..plan import plan_of
 from .hooks import ChunkHooks, GeminiModule, hook_units
 from .optim import GeminiOptimizer
 from .placement import AutoPolicy, LRUPolicy, device_optim_chunks
@@ -155,6 +155,14 @@ class GeminiPlugin(Plugin):
         self.module: GeminiModule | None = None
         self._hooks: ChunkHooks | None = None
 
+    def set_block_options(self, *, activation_checkpointing: bool = False, compile: bool = False) -> None:
+        if activation_checkpointing or compile:
+            raise ValueError("GeminiPlugin moves each block's parameters in and out of the device budget with "
+                             "module hooks, which do not yet handle a block recomputed in backward (activation "
+                             "checkpointing: its losses left one process's) or compiled; use TorchFSDPPlugin or "
+                             "LowLevelZeroPlugin for activation memory")
+        super().set_block_options()
+
     # --- topology ------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -188,7 +196,7 @@ class GeminiPlugin(Plugin):
         if self.manager is not None:
             raise RuntimeError("a GeminiPlugin manages one model; make a new plugin for another")
         manager = self._plan(model, optimizer)
-        hooks = ChunkHooks(model, manager, plan_blocks(model))
+        hooks = ChunkHooks(model, manager, plan_of(model).blocks)
         need = self.estimate(model, optimizer, manager=manager)
         if self.device_budget_bytes is not None and need["device_bytes"] > self.device_budget_bytes:
             hooks.remove()
@@ -286,7 +294,7 @@ class GeminiPlugin(Plugin):
         manager = manager if manager is not None else self._plan(model, optimizer)
         resident = manager.resident_bytes_needed()
         fetch, landing, module_bwd, grad_bufs = 0, 0, 0, 0
-        units = hook_units(model, manager.tensors, plan_blocks(model))
+        units = hook_units(model, manager.tensors, plan_of(model).blocks)
         # the root unit's chunks stay fetched through the whole forward and backward, so they are
         # part of every other module's working set (shared chunks are counted once)
         root = {manager.tensors[p].chunk.index: manager.tensors[p].chunk for p in units.get(model, [])}

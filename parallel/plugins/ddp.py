@@ -123,6 +123,7 @@ class TorchDDPPlugin(Plugin):
         lr_scheduler: Any | None = None,
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
         # DDP broadcasts rank 0's parameters and buffers in place, so `optimizer` stays valid.
+        self.apply_block_options(model)
         self._ddp = self._wrap_ddp(model)
         wrapped_optimizer = self.wrap_optimizer(optimizer) if optimizer is not None else None
         return self.wrap_model(model, self._ddp), wrapped_optimizer, criterion, dataloader, lr_scheduler

@@ -29,22 +29,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..plan import ParallelPlan
+from ..plan import plan_of
 from ..precision import MixedPrecision
 from ..wrappers import ModelWrapper, OptimizerWrapper
 from .zero import FullyShardPlugin
-
-
-def plan_blocks(model: nn.Module) -> list[str]:
-    """The block names from `model.parallel_plan()`, or [] when the model declares no plan."""
-    plan_fn = getattr(model, "parallel_plan", None)
-    if plan_fn is None:
-        return []
-    plan = plan_fn()
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"{type(model).__name__}.parallel_plan() returned {type(plan).__name__}, "
-                        "expected tabfm.parallel.plan.ParallelPlan")
-    return list(plan.blocks)
 
 
 class TorchFSDPPlugin(FullyShardPlugin):
@@ -94,7 +82,7 @@ class TorchFSDPPlugin(FullyShardPlugin):
         dataloader: DataLoader | None = None,
         lr_scheduler: Any | None = None,
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
-        blocks = self.blocks if self.blocks is not None else plan_blocks(model)
+        blocks = self.blocks if self.blocks is not None else plan_of(model).blocks
         wrapped_model, wrapped = self._shard(model, optimizer, lr_scheduler, blocks, **self.fully_shard_kwargs())
         return wrapped_model, wrapped, criterion, dataloader, lr_scheduler
 

@@ -58,7 +58,9 @@ from ..pipeline import (
     pipeline_grad_norm,
     split_stages,
 )
-from ..plan import ParallelPlan
+from ..activation_checkpointing import checkpoint_blocks
+from ..parallelize import parallelize
+from ..plan import ParallelPlan, plan_of
 from ..plugin import Plugin
 from ..precision import MixedPrecision, local_shard
 from ..sequence_parallel import (
@@ -69,13 +71,12 @@ from ..sequence_parallel import (
     sync_rng_state,
 )
 from ..sharded_checkpoint import ShardedCheckpointIO
-from ..tensor_parallel import check_tp_layout, parallelize_tensor
+from ..tensor_parallel import check_tp_layout
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from .ddp import _require_process_group
 from .zero import (
     FullStateFSDPReader,
     _param_names_by_group,
-    _resolve_blocks,
     rebuild_optimizer,
 )
 
@@ -174,6 +175,12 @@ class HybridParallelPlugin(Plugin):
         self._row_seams: tuple[nn.Module, ParallelPlan, list[Any]] | None = None
         self._checkpoint_io = ShardedCheckpointIO(None, fallback=FullStateFSDPReader(self))
 
+    def set_block_options(self, *, activation_checkpointing: bool = False, compile: bool = False) -> None:
+        if compile and self.pp_size > 1:
+            raise ValueError("compiling the blocks is not offered with pp_size > 1 (the pipeline's stages are "
+                             "built and traced by torch.distributed.pipelining); use pp_size=1 or compile=False")
+        super().set_block_options(activation_checkpointing=activation_checkpointing, compile=compile)
+
     # --- topology --------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -227,7 +234,7 @@ class HybridParallelPlugin(Plugin):
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
         if self.pp_size > 1:
             return self._configure_pipeline(model, optimizer, criterion, dataloader, lr_scheduler)
-        plan = _plan_of(model, needed=self.tp_size > 1 or self.sp_size > 1)
+        plan = plan_of(model, "tensor and row-sequence parallelism" if self.tp_size * self.sp_size > 1 else None)
         if self.tp_size > 1:  # every check before the first collective
             check_tp_layout(model, plan, self.tp_size)
         group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
@@ -235,12 +242,15 @@ class HybridParallelPlugin(Plugin):
         with torch.no_grad():  # like DDP: rank 0's parameters and buffers are the model
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
-        if self.tp_size > 1:
-            self.tp_styles = parallelize_tensor(model, self.tp_mesh, plan)
+        done = parallelize(model, plan, tp_mesh=self.tp_mesh if self.tp_size > 1 else None,
+                           sp_group=self._group(self.sp_mesh) if self.sp_size > 1 else None,
+                           activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+                           fully_shard_kwargs=self._fully_shard_kwargs(model) if self.zero_stage else None)
+        self.tp_styles = done.tp_styles
         if self.sp_size > 1:
-            self._row_seams = (model, plan, parallelize_rows(model, plan, self._group(self.sp_mesh)))
-        if self.zero_stage:
-            self._fully_shard(model, plan)
+            self._row_seams = (model, plan, done.row_hooks)
+        if self.zero_stage:  # FSDP averages gradients over dp x sp; `backward` scales the loss by sp, so
+            self._fsdp_module = model  # they are summed over sp (parts of one batch) and averaged over dp
         self._params = [p for p in model.parameters() if p.requires_grad]
         wrapped_optimizer = None
         if optimizer is not None:
@@ -285,7 +295,7 @@ class HybridParallelPlugin(Plugin):
         the modules the PipelineStages run are sharded with FSDP2 over dp × sp (ZeRO 2/3). The
         optimizer is rebuilt over the stage's parameters; checkpoints hold each stage's tensors
         under the model's names."""
-        plan = _plan_of(model, needed=True)
+        plan = plan_of(model, "pipeline stages")
         if plan.pipeline is None:
             raise ValueError(f"pp_size={self.pp_size}: {type(model).__name__}.parallel_plan() declares no pipeline "
                              "(ParallelPlan.pipeline: a tabfm.parallel.plan.PipelinePlan)")
@@ -310,6 +320,8 @@ class HybridParallelPlugin(Plugin):
             self.tp_styles.update(parallelize_stage_tensor(part, self.tp_mesh, tp_styles))
         if self.sp_size > 1:  # the stages hold the model's own modules: its seams are theirs
             self._row_seams = (model, plan, parallelize_rows(model, plan, self._group(self.sp_mesh)))
+        if self.activation_checkpointing:  # after tp and sp, before FSDP (parallelize's order)
+            checkpoint_blocks(model, plan)
         stage = merge_modules(mine)  # this rank's part of the model, under the model's names
         rows = RowShardedModule(stage, sp_group=self._group(self.sp_mesh), device=self.device)  # cuts rows
         self._runner = PipelineRunner(mine, plan.pipeline, self.pp_rank, self.pp_size, self._group(self.pp_mesh),
@@ -354,19 +366,6 @@ class HybridParallelPlugin(Plugin):
         if not return_loss:
             result["loss"] = None
         return result
-
-    def _fully_shard(self, model: nn.Module, plan: ParallelPlan) -> None:
-        """FSDP2 over dp × sp: each planned block, then the root. FSDP averages gradients over
-        the group; `backward` scales the loss by sp so that they are summed over sp (its ranks
-        hold parts of one batch's gradient) and averaged over dp. (A gradient divide factor
-        would say the same, but gloo lacks the PREMUL_SUM it needs.)"""
-        from torch.distributed.fsdp import fully_shard
-
-        kwargs = self._fully_shard_kwargs(model)
-        for _, block in _resolve_blocks(model, plan.blocks):
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        self._fsdp_module = model
 
     def _fully_shard_stage(self, module: nn.Module, plan: ParallelPlan) -> None:
         """FSDP2 over dp × sp on one module a PipelineStage runs: the planned blocks it holds,
@@ -546,20 +545,6 @@ def _find_submodule(module: nn.Module, name: str) -> nn.Module | None:
         return module.get_submodule(name)
     except AttributeError:
         return None
-
-
-def _plan_of(model: nn.Module, needed: bool) -> ParallelPlan:
-    plan_fn = getattr(model, "parallel_plan", None)
-    if plan_fn is None:
-        if needed:
-            raise ValueError(f"{type(model).__name__} declares no parallel_plan(): tensor and row-sequence "
-                             "parallelism need one (tabfm.parallel.ParallelPlan)")
-        return ParallelPlan()
-    plan = plan_fn()
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"{type(model).__name__}.parallel_plan() returned {type(plan).__name__}, "
-                        "expected tabfm.parallel.plan.ParallelPlan")
-    return plan
 
 
 def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:

@@ -41,6 +41,7 @@ class SingleProcessPlugin(Plugin):
         dataloader: DataLoader | None = None,
         lr_scheduler: Any | None = None,
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
+        self.apply_block_options(model)
         # Module.to moves parameter data in place, so `optimizer` keeps pointing at them.
         model.to(self.device)
         wrapped_optimizer = self.wrap_optimizer(optimizer) if optimizer is not None else None

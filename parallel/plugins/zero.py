@@ -25,6 +25,7 @@ scatters the full state into the shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Sequence
@@ -36,6 +37,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader
 
 from ..checkpoint import unwrap_model
+from ..parallelize import parallelize, resolve_blocks
+from ..plan import plan_of
 from ..precision import MixedPrecision
 from ..state_io import load_weights
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
@@ -291,15 +294,14 @@ class FullyShardPlugin(TorchDDPPlugin):
 
     def _shard(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                blocks: Sequence[str] = (), **fully_shard_kwargs: Any) -> tuple[ModelWrapper, OptimizerWrapper | None]:
-        """`fully_shard` each module named in `blocks` (innermost first), then the root, and
-        rebuild `optimizer` (same type, hyperparameters and groups) on the sharded parameters."""
-        from torch.distributed.fsdp import fully_shard
-
+        """The model through `parallelize` (the block options, then `fully_shard` on each module
+        named in `blocks`, innermost first, and the root), and `optimizer` rebuilt (same type,
+        hyperparameters and groups) on the sharded parameters."""
         if self.process_group is not None:
             raise NotImplementedError(f"{type(self).__name__} runs over the default process group only")
         model.to(self.device)
         group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
-        units = _resolve_blocks(model, blocks)
+        units = resolve_blocks(model, blocks)
         # like DDP: rank 0's parameters and buffers are the model (fully_shard keeps each rank's own)
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
@@ -308,9 +310,9 @@ class FullyShardPlugin(TorchDDPPlugin):
         empty = {p for p in model.parameters() if p.numel() == 0}
         if empty:
             fully_shard_kwargs = {**fully_shard_kwargs, "ignored_params": empty}
-        for _, module in units:
-            fully_shard(module, **fully_shard_kwargs)
-        fully_shard(model, **fully_shard_kwargs)
+        plan = dataclasses.replace(plan_of(model), blocks=[name for name, _ in units])
+        parallelize(model, plan, activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+                    fully_shard_kwargs=fully_shard_kwargs)
         if dist.get_backend() == "gloo":  # gloo's own all-gather / reduce-scatter cost more CPU (see RingAllGather)
             for module in [m for _, m in units] + [model]:
                 module.set_custom_all_gather(RingAllGather())
@@ -364,21 +366,6 @@ def _param_names_by_group(model: nn.Module, optimizer: torch.optim.Optimizer) ->
         raise ValueError("the optimizer holds parameters that are not the model's") from None
 
 
-def _resolve_blocks(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn.Module]]:
-    """(name, module) for each block name, innermost first (fully_shard wraps children before parents)."""
-    units = []
-    for name in blocks:
-        if not name:
-            raise ValueError("blocks: the root module is always sharded; list only submodules")
-        try:
-            units.append((name, model.get_submodule(name)))
-        except AttributeError:
-            raise ValueError(f"blocks: the model has no submodule {name!r}") from None
-    if len({id(m) for _, m in units}) != len(units):
-        raise ValueError(f"blocks name the same module twice: {list(blocks)}")
-    return sorted(units, key=lambda u: -u[0].count("."))
-
-
 class LowLevelZeroPlugin(FullyShardPlugin):
     """ZeRO stage 1 (DDP + ZeroRedundancyOptimizer) or stage 2 (FSDP2, parameters kept
     gathered between forward and backward). Takes TorchDDPPlugin's keyword arguments (stage 1
@@ -408,6 +395,7 @@ class LowLevelZeroPlugin(FullyShardPlugin):
         if self.stage == 2:
             wrapped_model, wrapped = self._shard(model, optimizer, lr_scheduler, reshard_after_forward=False)
             return wrapped_model, wrapped, criterion, dataloader, lr_scheduler
+        self.apply_block_options(model)
         self._ddp = self._wrap_ddp(model)
         wrapped = None
         if optimizer is not None:

@@ -22,9 +22,7 @@ from typing import Any
 
 import torch
 
-from tabfm.parallel import (
-    Booster, Plugin, SingleProcessPlugin, checkpoint_blocks, compile_blocks, latest_checkpoint, load_exported,
-)
+from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoint, load_exported
 from tabfm.parallel.checkpoint import MANIFEST, read_manifest
 from tabfm.parallel.export import export_model
 from tabfm.parallel.launch import barrier, launch
@@ -244,16 +242,13 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
         warm_start(model, cfg.init)
-    if cfg.activation_checkpointing:  # before compiling and data-parallel wrapping (torchtitan's order)
-        checkpoint_blocks(model, model.parallel_plan())
-    if cfg.compile:
-        compile_blocks(model, model.parallel_plan())
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     precision = resolve_precision(cfg.precision, plug.device)
     if main and progress and precision != cfg.precision:
         print(f"pretrain {out}: precision {cfg.precision} -> {precision} on {plug.device}", flush=True)
-    booster = Booster(plug, precision=precision)
+    booster = Booster(plug, precision=precision, activation_checkpointing=cfg.activation_checkpointing,
+                      compile=cfg.compile)  # the plugin applies both at their place in parallelize's order
     model, optimizer, criterion, _, scheduler = booster.boost(model, optimizer, masked_cell_loss,
                                                               lr_scheduler=scheduler)
 

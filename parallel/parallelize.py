@@ -1,0 +1,85 @@
+"""parallelize(): a model's ParallelPlan applied to it, in torchtitan's order, in one place.
+
+    done = parallelize(model, plan, tp_mesh=mesh["tp"], sp_group=sp, activation_checkpointing=True,
+                       fully_shard_kwargs={"mesh": mesh["dp_sp"], "reshard_after_forward": True})
+
+applies, each step only when asked for, in place:
+
+1. tensor parallel      the plan's `tp_plan` layers become DTensor shards over `tp_mesh`
+                        (`parallelize_module`; parallel.tensor_parallel)
+2. row-sequence         forward hooks on the plan's row-attention key seams and row-statistics
+                        modules gather / reduce over `sp_group` (parallel.sequence_parallel)
+3. activation ckpt      every `plan.blocks` module recomputed in backward (parallel.activation_checkpointing)
+4. torch.compile        every `plan.blocks` module compiled (parallel.compile)
+5. data parallel        FSDP2 `fully_shard` on every block, innermost first, then the root
+                        (ZeRO-2/3; `fully_shard_kwargs`: mesh, precision policy, resharding)
+
+Every plugin builds its model through this function (the plugin decides the meshes and
+options), then builds or rebuilds the optimizer on the parameters that result. Replicated data
+parallelism (DDP, or the hybrid plugin's bucketed all-reduce) wraps or hooks the result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from torch import nn
+
+from .activation_checkpointing import checkpoint_blocks
+from .compile import compile_blocks
+from .plan import ParallelPlan
+from .sequence_parallel import parallelize_rows
+from .tensor_parallel import parallelize_tensor
+
+__all__ = ["Parallelized", "parallelize", "resolve_blocks"]
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` did: the tensor-parallel styles by layer, the row hooks (removing them
+    restores the one-device forward, e.g. for evaluation on whole tables), the FSDP units."""
+
+    tp_styles: dict[str, str] = field(default_factory=dict)
+    row_hooks: list[Any] = field(default_factory=list)
+    fsdp_units: list[nn.Module] = field(default_factory=list)
+
+
+def resolve_blocks(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) for each block name, innermost first (fully_shard wraps children before parents)."""
+    units = []
+    for name in blocks:
+        if not name:
+            raise ValueError("blocks: the root module is always sharded; list only submodules")
+        try:
+            units.append((name, model.get_submodule(name)))
+        except AttributeError:
+            raise ValueError(f"blocks: the model has no submodule {name!r}") from None
+    if len({id(m) for _, m in units}) != len(units):
+        raise ValueError(f"blocks name the same module twice: {list(blocks)}")
+    return sorted(units, key=lambda u: -u[0].count("."))
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, sp_group: Any = None,
+                activation_checkpointing: bool = False, compile: bool = False,
+                fully_shard_kwargs: dict[str, Any] | None = None) -> Parallelized:
+    """Apply tensor parallel (over `tp_mesh`), row-sequence parallel (over `sp_group`), activation
+    checkpointing, torch.compile and FSDP2 (`fully_shard_kwargs`, None: not sharded) to `model`,
+    in that order and in place."""
+    done = Parallelized()
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        done.tp_styles = parallelize_tensor(model, tp_mesh, plan)
+    if sp_group is not None:
+        done.row_hooks = parallelize_rows(model, plan, sp_group)
+    if activation_checkpointing:
+        checkpoint_blocks(model, plan)
+    if compile:
+        compile_blocks(model, plan)
+    if fully_shard_kwargs is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = resolve_blocks(model, plan.blocks)
+        for _, block in blocks:
+            fully_shard(block, **fully_shard_kwargs)
+        fully_shard(model, **fully_shard_kwargs)
+        done.fsdp_units = [b for _, b in blocks] + [model]
+    return done
