@@ -25,7 +25,6 @@ scatters the full state into the shards.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Sequence
@@ -38,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from ..checkpoint import unwrap_model
 from ..parallelize import parallelize, resolve_blocks
-from ..plan import plan_of
+from ..plan import ParallelPlan
 from ..precision import MixedPrecision
 from ..state_io import load_weights
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
@@ -310,9 +309,8 @@ class FullyShardPlugin(TorchDDPPlugin):
         empty = {p for p in model.parameters() if p.numel() == 0}
         if empty:
             fully_shard_kwargs = {**fully_shard_kwargs, "ignored_params": empty}
-        plan = dataclasses.replace(plan_of(model), blocks=[name for name, _ in units])
-        parallelize(model, plan, activation_checkpointing=self.activation_checkpointing, compile=self.compile,
-                    fully_shard_kwargs=fully_shard_kwargs)
+        self.apply_block_options(model)  # over the model's planned blocks; the FSDP units may be others
+        parallelize(model, ParallelPlan(blocks=[name for name, _ in units]), fully_shard_kwargs=fully_shard_kwargs)
         if dist.get_backend() == "gloo":  # gloo's own all-gather / reduce-scatter cost more CPU (see RingAllGather)
             for module in [m for _, m in units] + [model]:
                 module.set_custom_all_gather(RingAllGather())
