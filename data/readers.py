@@ -105,7 +105,7 @@ def _parser_message(path: Path, err: Exception, encoding: str, sep: str) -> str:
     return f"{path}: cannot parse as CSV with sep={sep!r}: {text.strip()}"
 
 
-def _parse_iso_dates(df: pd.DataFrame) -> pd.DataFrame:
+def parse_iso_dates(df: pd.DataFrame) -> pd.DataFrame:
     """String columns whose every value is an ISO-8601 date or date-time become datetimes."""
     for name in df.columns:
         s = df[name]
@@ -154,7 +154,7 @@ def read_csv(path: str | PathLike, encoding: str = "utf-8", sep: str | None = No
         if other is not None:
             raise ValueError(f"{path}: read as one column {str(df.columns[0])[:60]!r} with sep={sep!r}; "
                              f"the header looks {other!r}-separated: pass sep={other!r}")
-    return _parse_iso_dates(df) if parse_dates else df
+    return parse_iso_dates(df) if parse_dates else df
 
 
 # ------------------------------------------------------------------ Parquet

@@ -22,6 +22,7 @@ COMMANDS = {
     "export": "write model.safetensors + config.json from a checkpoint",
     "predict": "predict a target column of a test table from a training table (in context)",
     "eval": "score estimators on a task suite against baselines",
+    "serve": "serve predictions over HTTP (FastAPI + uvicorn): classify, regress, impute, anomaly-score",
 }
 
 

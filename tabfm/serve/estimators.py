@@ -1,0 +1,90 @@
+"""The estimators the server runs: the in-process ones, keeping each member's encoded context.
+
+A fitted in-process estimator encodes every member's context (`ContextPredictor`: the column
+statistics and each block's row-attention keys/values) afresh on every predict call. A registered
+context is asked again and again, so the served estimators keep those encodings, keyed by the exact
+bytes of the context table the member built (its rows, features, target), and later calls only run
+their query rows. The answers are the in-process estimators' to the last bit: `predict_rows` is
+`ContextPredictor(...).predict(...)`, and a member's context does not depend on the query rows
+(tests/test_serve.py compares them). What the encodings hold counts against --context-cache-mib.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
+from tabfm.inference import ContextPredictor
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors inside an encoded context (ContextCache: named tuples, dataclasses, lists)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(_tensor_bytes(o) for o in vars(obj).values())
+    return 0
+
+
+class KeepsContexts:
+    """Mixin over a TabFM estimator: `_context` remembers each encoded context it builds."""
+
+    def _encoded(self) -> dict:
+        return self.__dict__.setdefault("_encoded_contexts", {})
+
+    def _context(self, rt: Any, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray) -> ContextPredictor:
+        x = np.ascontiguousarray(context_x, dtype=np.float32)
+        digest = hashlib.blake2b(x.tobytes(), digest_size=16)
+        for part in (np.asarray(kind, np.int64), np.asarray(cardinality, np.int64)):
+            digest.update(np.ascontiguousarray(part).tobytes())
+        key = (rt.id_seed, str(rt.device), str(rt.autocast), x.shape, digest.hexdigest())
+        store = self._encoded()
+        hit = store.get(key)
+        if hit is None:
+            hit = store[key] = super()._context(rt, x, kind, cardinality)
+        return hit
+
+    def _predict(self, rt: Any, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
+                 kind: np.ndarray, cardinality: np.ndarray, fn: Any) -> np.ndarray:
+        # tabfm.inference.predict_rows, with the context from _context
+        if not np.asarray(query_mask).any():
+            return np.empty((0,))
+        return self._context(rt, context_x, kind, cardinality).predict(query_x, query_mask, fn, self.chunk_size)
+
+    def encoded_bytes(self) -> int:
+        """Bytes the kept encodings hold."""
+        return sum(_tensor_bytes(p.cache) for p in self._encoded().values())
+
+    def drop_encoded(self) -> None:
+        """Forget the kept encodings (the next call encodes again; answers unchanged)."""
+        self._encoded().clear()
+
+    def table_bytes(self) -> int:
+        """Bytes of the fitted table the estimator holds."""
+        return sum(int(getattr(getattr(self, name, None), "nbytes", 0) or 0)
+                   for name in ("train_x_", "y_", "folds_", "offset_rows_"))
+
+
+class ServedClassifier(KeepsContexts, TabFMClassifier):
+    """TabFMClassifier that keeps its members' encoded contexts."""
+
+
+class ServedRegressor(KeepsContexts, TabFMRegressor):
+    """TabFMRegressor that keeps its members' encoded contexts."""
+
+
+class ServedImputer(KeepsContexts, TabFMImputer):
+    """TabFMImputer that keeps its members' encoded contexts."""
+
+
+class ServedAnomalyDetector(KeepsContexts, TabFMAnomalyDetector):
+    """TabFMAnomalyDetector that keeps its members' (and folds') encoded contexts."""
+
+
+ESTIMATORS = {"classification": ServedClassifier, "regression": ServedRegressor, "imputation": ServedImputer,
+              "anomaly": ServedAnomalyDetector}
