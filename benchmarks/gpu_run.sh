@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The one prepared GPU run (issue #22): at most ~12 minutes on one CUDA GPU (an H200), writing
+# everything under $OUT (default benchmarks/results/gpu_run/).
+#
+#   bash benchmarks/gpu_run.sh                 # on the GPU machine
+#   GPU_RUN_DRY=1 bash benchmarks/gpu_run.sh   # rehearsal on CPU: tiny sizes, interpreter, minutes
+#
+# Steps (each bounded by `timeout`; a failing step is logged in summary.json and the script goes on):
+#  1. versions.json (python, torch, triton, CUDA, GPU) and nvidia-smi.txt;
+#  2. the CUDA test subset (<= 3 min): tests/test_gemini_cuda.py and the CUDA tests of
+#     tests/test_triton_kernels.py -> pytest_cuda.log / .xml (dry: the same files on CPU, where the
+#     CUDA tests skip and the kernel tests run under the interpreter);
+#  3. benchmarks/triton_kernels.py (<= 4 min): each Triton kernel vs torch eager and torch.compile,
+#     and bf16 train steps of tiny/small/base with the kernels on / off (cells/s, MFU against the
+#     measured bf16 matmul peak) -> triton_kernels.json (dry: --device cpu --quick, correctness only);
+#     benchmarks/model_speed.py is CPU-only (no device option), so it is not run here;
+#  4. benchmarks/gemini_capacity.py --device cuda (<= 2 min) -> gemini_capacity_cuda.json
+#     (dry: --quick on the CPU tier);
+#  5. with the time left (GPU_RUN_SECONDS, default 720, minus what steps 1-4 took, minus 60 s for
+#     the export), `tabfm pretrain --preset small --precision bf16 --device cuda --max-minutes N
+#     --out $OUT/small`, which checkpoints and exports on expiry (dry: --preset smoke, a few steps);
+#     if it fails, once more with TABFM_TRITON=0 (torch's ops) into $OUT/small-torch-ops;
+#  6. summary.json: each step's exit status and seconds, and the kernel/train-step results.
+# Exit status: 0 if every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-benchmarks/results/gpu_run}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+DRY="${GPU_RUN_DRY:-0}"
+TOTAL="${GPU_RUN_SECONDS:-720}"
+START=$(date +%s)
+STEPS_FILE="$OUT_DIR/steps.tsv"
+: > "$STEPS_FILE"
+if [ "$DRY" = "1" ]; then
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    echo "== GPU_RUN_DRY=1: rehearsal on CPU (tiny sizes, triton interpreter)"
+else
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+fi
+
+# step NAME LIMIT_S LOGFILE -- CMD...: run CMD under `timeout`, tee its output, record status + seconds
+step() {
+    local name="$1" limit="$2" log="$3"
+    shift 4
+    local t0=$(date +%s)
+    echo "== $name (limit ${limit}s): $*"
+    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    local dt=$(( $(date +%s) - t0 ))
+    [ "$rc" -eq 0 ] || echo "FAIL: $name exited $rc after ${dt}s (log: $log)" >&2
+    [ "$rc" -eq 124 ] && echo "FAIL: $name hit its ${limit}s timeout" >&2
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$log" >> "$STEPS_FILE"
+}
+
+# 1. versions
+step versions 60 "$OUT_DIR/versions.log" -- "$PY" - "$OUT_DIR/versions.json" <<'EOF'
+import json, platform, sys
+import torch
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available()}
+try:
+    import triton
+    info["triton"] = triton.__version__
+except Exception as err:
+    info["triton"] = f"not importable: {err}"
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), gpu_count=torch.cuda.device_count(),
+                capability=f"{p.major}.{p.minor}", cudnn=torch.backends.cudnn.version())
+print(json.dumps(info, indent=1))
+open(sys.argv[1], "w").write(json.dumps(info, indent=1))
+EOF
+if command -v nvidia-smi > /dev/null; then
+    nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv >> "$OUT_DIR/nvidia-smi.txt" 2>&1
+else
+    echo "nvidia-smi not found" > "$OUT_DIR/nvidia-smi.txt"
+fi
+if [ "$DRY" != "1" ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "WARNING: torch sees no CUDA GPU; the CUDA steps will fail or skip (GPU_RUN_DRY=1 rehearses on CPU)" >&2
+fi
+
+# 2. the CUDA test subset
+step pytest_cuda 180 "$OUT_DIR/pytest_cuda.log" -- "$PY" -m pytest -q -rsf -p no:cacheprovider \
+    tests/test_gemini_cuda.py tests/test_triton_kernels.py -k "not under_interpreter" \
+    --junitxml "$OUT_DIR/pytest_cuda.xml"
+if [ "$DRY" = "1" ]; then  # here the kernel tests need the interpreter (a subprocess of this test)
+    step pytest_interpret 120 "$OUT_DIR/pytest_interpret.log" -- "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_triton_kernels.py -k "under_interpreter or dispatch"
+fi
+
+# 3. kernel benchmarks (+ train steps on CUDA)
+if [ "$DRY" = "1" ]; then
+    step triton_kernels 180 "$OUT_DIR/triton_kernels.log" -- "$PY" benchmarks/triton_kernels.py --device cpu --quick \
+        --json "$OUT_DIR/triton_kernels.json"
+else
+    step triton_kernels 240 "$OUT_DIR/triton_kernels.log" -- "$PY" benchmarks/triton_kernels.py --device cuda \
+        --presets tiny,small,base --json "$OUT_DIR/triton_kernels.json"
+fi
+
+# 4. Gemini capacity on the CUDA tier
+if [ "$DRY" = "1" ]; then
+    step gemini_capacity 120 "$OUT_DIR/gemini_capacity.log" -- "$PY" benchmarks/gemini_capacity.py --quick \
+        --device cpu --out "$OUT_DIR/gemini_capacity_cpu.json"
+else
+    step gemini_capacity 120 "$OUT_DIR/gemini_capacity.log" -- "$PY" benchmarks/gemini_capacity.py --device cuda \
+        --budget-mib 2048 --d 4096 --batch 2048 --steps 4 --threads 8 --out "$OUT_DIR/gemini_capacity_cuda.json"
+fi
+
+# 5. pretraining with the time left
+LEFT=$(( TOTAL - ($(date +%s) - START) - 60 ))
+if [ "$DRY" = "1" ]; then
+    step pretrain 240 "$OUT_DIR/pretrain.log" -- "$PY" -m tabfm.cli pretrain --preset smoke --precision bf16 \
+        --device cpu --steps 6 --eval-every 3 --eval-batches 1 --no-sklearn-eval --no-progress --threads 1 \
+        --max-minutes 2 --out "$OUT_DIR/smoke"
+elif [ "$LEFT" -ge 90 ]; then
+    MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 30) / 60 }')
+    step pretrain $(( LEFT + 30 )) "$OUT_DIR/pretrain.log" -- "$PY" -m tabfm.cli pretrain --preset small \
+        --precision bf16 --device cuda --max-minutes "$MIN" --no-sklearn-eval --no-progress --out "$OUT_DIR/small"
+    if [ "$(tail -n1 "$STEPS_FILE" | cut -f2)" != "0" ]; then  # failed (not only slow): once more on torch's ops
+        LEFT=$(( TOTAL - ($(date +%s) - START) - 60 ))
+        if [ "$LEFT" -ge 90 ]; then
+            MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 30) / 60 }')
+            step pretrain_torch_ops $(( LEFT + 30 )) "$OUT_DIR/pretrain_torch_ops.log" -- env TABFM_TRITON=0 "$PY" -m tabfm.cli \
+                pretrain --preset small --precision bf16 --device cuda --max-minutes "$MIN" --no-sklearn-eval \
+                --no-progress --out "$OUT_DIR/small-torch-ops"
+        fi
+    fi
+else
+    echo "== pretrain: skipped, only ${LEFT}s left" | tee "$OUT_DIR/pretrain.log"
+    printf 'pretrain\tskipped\t0\t%s\n' "$OUT_DIR/pretrain.log" >> "$STEPS_FILE"
+fi
+
+# 6. summary
+"$PY" - "$OUT_DIR" "$START" "$DRY" <<'EOF'
+import json, sys, time
+from pathlib import Path
+out, start, dry = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
+steps = {}
+for line in (out / "steps.tsv").read_text().splitlines():
+    name, rc, secs, log = line.split("\t")
+    steps[name] = {"exit": rc if rc == "skipped" else int(rc), "seconds": int(secs), "log": Path(log).name}
+summary = {"dry_run": dry, "seconds": round(time.time() - start), "steps": steps,
+           "ok": all(s["exit"] == 0 for s in steps.values())}
+for name in ("versions.json", "triton_kernels.json", "gemini_capacity_cuda.json", "gemini_capacity_cpu.json"):
+    p = out / name
+    if p.exists():
+        try:
+            summary[name.removesuffix(".json")] = json.loads(p.read_text())
+        except ValueError as err:
+            summary[name.removesuffix(".json")] = f"unreadable: {err}"
+for run in ("small", "small-torch-ops", "smoke"):
+    export = out / run / "export"
+    if export.exists():
+        summary.setdefault("pretrain_export", []).extend(
+            sorted(str(p.relative_to(out)) for p in export.rglob("*") if p.is_file()))
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+print(f"== summary: ok={summary['ok']} in {summary['seconds']} s; " +
+      ", ".join(f"{k}={v['exit']} ({v['seconds']} s)" for k, v in steps.items()) + f"; wrote {out / 'summary.json'}")
+sys.exit(0 if summary["ok"] else 1)
+EOF
