@@ -332,17 +332,17 @@ def _stalled_peer_worker(rank, world):
 
 @pytest.mark.slow
 def test_raising_rank_is_reported_not_hung():
-    t0 = time.monotonic()
+    # a hang would be the harness's TimeoutError after 120 s, not this DistributedError
     with pytest.raises(DistributedError, match="boom on rank 1") as e:
-        run_distributed(_raising_worker, world_size=2, timeout_s=60)
+        run_distributed(_raising_worker, world_size=2, timeout_s=120)
     assert 1 in e.value.errors
-    assert time.monotonic() - t0 < 45
 
 
 @pytest.mark.slow
 def test_collective_timeout_turns_stalled_peer_into_error():
-    t0 = time.monotonic()
+    # a hang would be the harness's TimeoutError after 120 s; the 3 s collective timeout makes rank
+    # 0's all_reduce raise a DistributedError instead (no wall-clock assert: a loaded CI machine
+    # takes tens of seconds just to start two torch processes)
     with pytest.raises(DistributedError) as e:
-        run_distributed(_stalled_peer_worker, world_size=2, timeout_s=60, pg_timeout_s=3)
+        run_distributed(_stalled_peer_worker, world_size=2, timeout_s=120, pg_timeout_s=3)
     assert 0 in e.value.errors  # rank 0's all_reduce raised instead of waiting forever
-    assert time.monotonic() - t0 < 45
