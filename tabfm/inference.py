@@ -6,6 +6,10 @@ query row's prediction depends only on the context and on the row itself: splitt
 query rows into chunks gives the same answers as one big pass, and the context can be
 encoded once (`ContextPredictor`, the model's `encode_context`) and reused by every chunk,
 so a chunk costs only its own rows.
+
+With an exported graph (`tabfm.model.onnx_export.OnnxModel`, the estimators' `backend="onnx"`) there is
+no cache: `OnnxContextPredictor` runs the context together with every chunk of query rows (the same
+answers, within the export's tolerance, at the cost of the context rows in every pass).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from torch import nn
 from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
 from tabfm.data.context_features import ContextFeatureSpec, context_features
 from tabfm.model import ContextCache, ModelOutput
+from tabfm.model.onnx_export import OnnxModel
 
 # fn(output, values) -> (N, ...) tensor for the N query cells; values = their true values (NaN = unknown)
 CellFn = Callable[[ModelOutput, torch.Tensor], torch.Tensor]
@@ -145,31 +150,63 @@ class ContextPredictor:
         """
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        empty = np.zeros((0, len(self.kind)), dtype=np.float32)
         rows = np.flatnonzero(np.asarray(query_mask).any(1))
         parts = []
         for start in range(0, len(rows), chunk_size):
             take = rows[start:start + chunk_size]
             padded = np.concatenate([take, np.full(chunk_size - len(take), take[-1])])
-            batch = query_batch(empty, query_x[padded], query_mask[padded], self.kind, self.cardinality)
-            with _inference(self.model, self.device, self.autocast_dtype):
-                out = self.model.forward_queries(batch.to(self.device), self.cache)
-                b, r, c = out.index.unbind(1)
-                values = batch.x.to(out.index.device)[b, r, c]
-                answers = fn(out, values).detach().to("cpu", torch.float64).numpy()
-                parts.append(answers[(r < len(take)).cpu().numpy()])
+            parts.append(self._chunk(query_x[padded], query_mask[padded], fn, len(take)))
         return np.concatenate(parts) if parts else np.empty((0,))
 
+    def _chunk(self, query_x: np.ndarray, query_mask: np.ndarray, fn: CellFn, n_rows: int) -> np.ndarray:
+        """fn's answers for the query cells of the first `n_rows` rows of one pass, in row-major order."""
+        empty = np.zeros((0, len(self.kind)), dtype=np.float32)
+        batch = query_batch(empty, query_x, query_mask, self.kind, self.cardinality)
+        with _inference(self.model, self.device, self.autocast_dtype):
+            out = self.model.forward_queries(batch.to(self.device), self.cache)
+            b, r, c = out.index.unbind(1)
+            values = batch.x.to(out.index.device)[b, r, c]
+            answers = fn(out, values).detach().to("cpu", torch.float64).numpy()
+            return answers[(r < n_rows).cpu().numpy()]
 
-def predict_rows(model: nn.Module, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
+
+class OnnxContextPredictor(ContextPredictor):
+    """`ContextPredictor`'s interface over an exported graph (`OnnxModel`): no cached keys/values,
+    so every pass runs the context rows with the chunk of query rows (the graph is the full forward)."""
+
+    def __init__(self, model: OnnxModel, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+                 id_seed: int = 0) -> None:
+        self.model, self.kind, self.cardinality, self.id_seed = model, kind, cardinality, id_seed
+        self.context_x = np.asarray(context_x, dtype=np.float32)
+
+    def _chunk(self, query_x: np.ndarray, query_mask: np.ndarray, fn: CellFn, n_rows: int) -> np.ndarray:
+        batch = query_batch(self.context_x, query_x, query_mask, self.kind, self.cardinality)
+        out = self.model(batch, id_seed=self.id_seed)
+        b, r, c = out.index.unbind(1)
+        with torch.inference_mode():
+            answers = fn(out, batch.x[b, r, c]).detach().to(torch.float64).numpy()
+        return answers[(r < len(self.context_x) + n_rows).numpy()]
+
+
+def context_predictor(model: nn.Module | OnnxModel, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+                      device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
+                      id_seed: int = 0) -> ContextPredictor:
+    """The predictor for `model`: a `ContextPredictor` (cached context) for a torch module, an
+    `OnnxContextPredictor` for an exported graph (which runs on onnxruntime's CPU, in fp32)."""
+    if isinstance(model, OnnxModel):
+        return OnnxContextPredictor(model, context_x, kind, cardinality, id_seed)
+    return ContextPredictor(model, context_x, kind, cardinality, device, autocast_dtype, id_seed)
+
+
+def predict_rows(model: nn.Module | OnnxModel, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
                  kind: np.ndarray, cardinality: np.ndarray, fn: CellFn, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  device: torch.device | str | None = None, autocast_dtype: torch.dtype | None = None,
                  id_seed: int = 0) -> np.ndarray:
     """fn(output, values) for every `query_mask` cell, in row-major order, as float64 numpy
-    (a `ContextPredictor` used once). Exact: query rows never see each other."""
+    (a `context_predictor` used once). Exact: query rows never see each other."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not np.asarray(query_mask).any():
         return np.empty((0,))
-    predictor = ContextPredictor(model, context_x, kind, cardinality, device, autocast_dtype, id_seed)
+    predictor = context_predictor(model, context_x, kind, cardinality, device, autocast_dtype, id_seed)
     return predictor.predict(query_x, query_mask, fn, chunk_size)

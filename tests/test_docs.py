@@ -133,10 +133,10 @@ def test_readme_shows_the_command_ci_runs():
           if line.strip() and not line.lstrip().startswith("#")]
     assert ci[-1] == "python3 -m pytest -q", f".ci/run ends with {ci[-1]!r}"
     assert any("pip install" in line and "torch==2.13.0" in line for line in ci)
-    assert any("pip install" in line and '-e ".[test,serve,kernels]"' in line for line in ci)
+    assert any("pip install" in line and '-e ".[test,serve,kernels,onnx]"' in line for line in ci)
     readme = ROOT / "README.md"
     shell = [code for _, lang, code, _ in blocks(readme) if lang in ("bash", "sh", "shell")]
-    want = 'pip install torch==2.13.0 && pip install -e ".[test,serve,kernels]" && python3 -m pytest -q'
+    want = 'pip install torch==2.13.0 && pip install -e ".[test,serve,kernels,onnx]" && python3 -m pytest -q'
     assert want in shell, f"README.md has no block with exactly: {want}"
     assert "the exact command ci runs in `.ci/run`" in readme.read_text(encoding="utf-8").lower()
 

@@ -73,10 +73,11 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None,
-                 contamination: float = 0.1, n_folds: int = 5, max_offset_rows: int | None = 512) -> None:
+                 contamination: float = 0.1, n_folds: int = 5, max_offset_rows: int | None = 512,
+                 backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
-                         chunk_size=chunk_size, progress=progress)
+                         chunk_size=chunk_size, progress=progress, backend=backend)
         self.contamination = contamination
         self.n_folds = n_folds
         self.max_offset_rows = max_offset_rows

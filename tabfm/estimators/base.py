@@ -23,7 +23,9 @@ from torch import nn
 
 from tabfm.data.batch import CATEGORICAL, NUMERIC
 from tabfm.data.encode import TableSchema, encode_frame
-from tabfm.inference import DEFAULT_CHUNK_SIZE, CellFn, ContextPredictor, append_context_features, predict_rows, with_target
+from tabfm.inference import (DEFAULT_CHUNK_SIZE, CellFn, ContextPredictor, append_context_features, context_predictor,
+                             predict_rows, with_target)
+from tabfm.model.onnx_export import is_onnx_file, onnx_model_of  # onnxruntime is imported only when used
 from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
@@ -38,6 +40,7 @@ DEFAULT_MAX_COLUMNS = 100
 DEFAULT_MAX_COLUMNS_SUPERVISED = 32
 DEFAULT_N_NEIGHBORS = (5, 20)
 PRECISIONS = ("auto", "fp32", "bf16")
+BACKENDS = ("torch", "onnx")
 CATEGORICAL_MODES = ("ordinal", "identity")
 MULTICLASS = ("ovr", "native")
 PROGRESS_MIN_PASSES = 8  # progress=None draws a bar from this many model passes in one call
@@ -47,7 +50,7 @@ PROGRESS_MIN_PASSES = 8  # progress=None draws a bar from this many model passes
 class Runtime:
     """The loaded model and how to run it."""
 
-    model: nn.Module
+    model: nn.Module  # the TabFM; with backend="onnx" its exported graph (tabfm.model.onnx_export.OnnxModel)
     device: torch.device
     autocast: torch.dtype | None
     id_seed: int = 0  # salt of the model's eval-mode column identities (one per ensemble member)
@@ -115,13 +118,18 @@ class TabFMEstimator(BaseEstimator):
     progress          a progress bar over the model passes of a prediction call: None (default) draws
                       one when the call makes at least PROGRESS_MIN_PASSES passes and stderr is a
                       terminal; True always; False never.
+    backend           "torch" (default) runs the model in torch; "onnx" runs its exported graph in
+                      onnxruntime (CPU, fp32; `pip install "tabfm[onnx]"`, an ImportError naming it
+                      otherwise): `model` is then a .onnx file of `tabfm export --onnx`, or a model
+                      that is exported once per process (seconds to a minute). No context cache
+                      there: every pass runs the context rows with its chunk of query rows.
     """
 
     def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
                  random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 progress: bool | None = None) -> None:
+                 progress: bool | None = None, backend: str = "torch") -> None:
         self.model = model
         self.n_estimators = n_estimators
         self.random_state = random_state
@@ -131,6 +139,7 @@ class TabFMEstimator(BaseEstimator):
         self.max_columns = max_columns
         self.chunk_size = chunk_size
         self.progress = progress
+        self.backend = backend
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -152,6 +161,8 @@ class TabFMEstimator(BaseEstimator):
             raise ValueError(f"multiclass must be one of {MULTICLASS}, got {self.multiclass!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self._backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self._backend!r}")
         if getattr(self, "categorical", CATEGORICAL_MODES[0]) not in CATEGORICAL_MODES:
             raise ValueError(f"categorical must be one of {CATEGORICAL_MODES}, got {self.categorical!r}")
         if self.progress not in (None, True, False):
@@ -167,9 +178,17 @@ class TabFMEstimator(BaseEstimator):
         return tqdm(total=passes, desc=f"{type(self).__name__}.{what}", unit="pass", disable=not show, leave=False,
                     file=sys.stderr)
 
+    @property
+    def _backend(self) -> str:
+        return getattr(self, "backend", BACKENDS[0])  # estimators pickled before the parameter existed
+
     def _runtime(self) -> Runtime:
         """Load (or reuse) the model on the configured device."""
         self._check_params()
+        if self._backend == "onnx":
+            return self._onnx_runtime()
+        if is_onnx_file(self.model):
+            raise ValueError(f"model={str(self.model)!r} is an ONNX graph: it runs with backend='onnx'")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" \
             else torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -182,6 +201,17 @@ class TabFMEstimator(BaseEstimator):
             model = load_model(self.model, device)
         cast = {"fp32": None, "bf16": torch.bfloat16, "auto": torch.bfloat16 if device.type == "cuda" else None}
         return Runtime(model, device, cast[self.precision])
+
+    def _onnx_runtime(self) -> Runtime:
+        """backend="onnx": the model's exported graph in onnxruntime, on the CPU in fp32 (chosen here,
+        once; nothing falls back to torch)."""
+        if self.device not in ("auto", "cpu"):
+            raise ValueError(f"backend='onnx' runs on onnxruntime's CPU; device={self.device!r} needs backend='torch'")
+        if self.precision == "bf16":
+            raise ValueError("backend='onnx' runs the exported graph in fp32; precision='bf16' needs backend='torch'")
+        source = self.model if isinstance(self.model, nn.Module) or is_onnx_file(self.model) \
+            else load_model(self.model, "cpu")
+        return Runtime(onnx_model_of(source), torch.device("cpu"), None)
 
     # ------------------------------------------------------------------ inputs
     def _as_frame(self, X: Any, fitting: bool) -> pd.DataFrame:
@@ -298,7 +328,7 @@ class TabFMEstimator(BaseEstimator):
 
     def _context(self, rt: Runtime, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray) -> ContextPredictor:
         """A context encoded once, for many `predict` calls (see tabfm.inference.ContextPredictor)."""
-        return ContextPredictor(rt.model, context_x, kind, cardinality, rt.device, rt.autocast, rt.id_seed)
+        return context_predictor(rt.model, context_x, kind, cardinality, rt.device, rt.autocast, rt.id_seed)
 
 
 class SupervisedTabFMEstimator(TabFMEstimator):
@@ -338,10 +368,11 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "raw",
-                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True) -> None:
+                 n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
+                 backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
-                         chunk_size=chunk_size, progress=progress)
+                         chunk_size=chunk_size, progress=progress, backend=backend)
         self.categorical = categorical
         self.numeric = numeric
         self.n_neighbors = n_neighbors

@@ -69,11 +69,12 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
-                 multiclass: str = "ovr", max_classes: int = 100) -> None:
+                 multiclass: str = "ovr", max_classes: int = 100,
+                 backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
-                         linear_features=linear_features)
+                         linear_features=linear_features, backend=backend)
         self.multiclass = multiclass
         self.max_classes = max_classes
 

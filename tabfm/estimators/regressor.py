@@ -56,11 +56,11 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
                  progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "quantile",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
-                 linear_residual: bool = True) -> None:
+                 linear_residual: bool = True, backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
-                         linear_features=linear_features)
+                         linear_features=linear_features, backend=backend)
         self.linear_residual = linear_residual
 
     def _uses_linear(self) -> bool:
