@@ -59,7 +59,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss  # noqa: E402
-from tabfm.model import triton_kernels as tk  # noqa: E402
+from tabfm.parallel import kernels as tk  # noqa: E402
 from tabfm.parallel.kernels import dispatch  # noqa: E402
 
 
