@@ -198,3 +198,18 @@ def test_fine_tuning_episodes_carry_the_shared_columns_before_the_target():
     mixed = TableEpisodeSampler([table], cfg.replace(imputation=0.5), seed=1)
     for p in range(8):
         mixed.batch_at(p).validate()
+
+
+def test_pretrain_from_an_init_keeps_its_context_features(tmp_path, capsys):
+    """`tabfm pretrain --init tabfm-tiny-cf` without --context-features trains with the init's knn-linear
+    columns (recorded in the run's config and its export), and says so; --context-features none drops them."""
+    import json
+    from tabfm.cli import main
+
+    argv = ["pretrain", "--preset", "smoke", "--init", "tabfm-tiny-cf", "--steps", "2", "--eval-batches", "0", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "keep")]) == 0
+    assert json.loads((tmp_path / "keep" / "train_config.json").read_text())["context_features"] == "knn-linear"
+    export = json.loads((tmp_path / "keep" / "export" / "config.json").read_text())
+    assert export["model"]["context_features"] == "knn-linear"
+    assert main([*argv, "--out", str(tmp_path / "drop"), "--context-features", "none"]) == 0
+    assert json.loads((tmp_path / "drop" / "train_config.json").read_text())["context_features"] == "none"

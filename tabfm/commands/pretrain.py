@@ -78,7 +78,7 @@ _HELP = {
                        "~1/G of the compute per cell",
     "muon_lr": "--optimizer muon: learning rate of the blocks' hidden matrices (Muon, RMS-matched to AdamW)",
     "context_features": "extra columns every prediction episode carries, recorded in the model's config so the "
-                        "estimators show the same: none (default), knn-linear (neighbour target means at "
+                        "estimators show the same: none (default; with --init: the init's), knn-linear (neighbour target means at "
                         "k = 5, 20 + an out-of-fold ridge score; tabfm.data.context_features), knn",
     "n_layers": "blocks of the model (default: the preset's); with --init from a model with fewer blocks, "
                 "its blocks are repeated, the repeats starting as identity (a deeper model that starts "
@@ -147,12 +147,29 @@ def run(args: argparse.Namespace) -> int:
         overrides["compile"] = True
     if args.activation_checkpointing:
         overrides["activation_checkpointing"] = True
+    if args.init is not None and args.context_features is None:
+        overrides["context_features"] = _init_context_features(args.init, quiet=args.quiet)
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
     main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart, bar=show_progress(args))
     if main:
         _summary(out, result)
     return 0
+
+
+def _init_context_features(init: str, quiet: bool = False) -> str:
+    """The context features `--init`'s model was trained with: a warm start keeps the init's input
+    contract unless --context-features names another (a run may teach the init new columns)."""
+    import json
+
+    from tabfm.weights import CONFIG_FILE, resolve_model_path
+
+    config = json.loads((resolve_model_path(init) / CONFIG_FILE).read_text())
+    name = config.get("model", {}).get("context_features", "none")
+    if name != "none" and not quiet:
+        print(f"pretrain: --init {init} was trained with context features {name!r}; this run keeps them "
+              f"(--context-features none to drop them)", flush=True)
+    return name
 
 
 def _train(cfg: "PretrainConfig", out: str, progress: bool, restart: bool = False,
