@@ -180,6 +180,8 @@ class EpisodeConfig:
                          prediction episodes, the estimators' default) or "identity" (categorical cells)
     context_features     extra columns of prediction episodes (tabfm.data.context_features; the model's
                          ModelConfig.context_features), inserted before the target as the estimators do
+    row_multiple         episode rows are a multiple of this (row-sequence parallelism splits every
+                         table's rows evenly over its sp ranks; 1: any count)
     """
 
     min_rows: int = 32
@@ -193,13 +195,14 @@ class EpisodeConfig:
     imputation: float = 0.2
     categorical: str = "ordinal"
     context_features: str = "none"
+    row_multiple: int = 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
             if not ok:
                 raise ValueError(f"EpisodeConfig.{name} = {getattr(self, name)!r}: {what}")
 
-        for name in ("min_rows", "max_rows", "cells_per_batch", "max_batch", "max_columns"):
+        for name in ("min_rows", "max_rows", "cells_per_batch", "max_batch", "max_columns", "row_multiple"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, "must be an integer >= 1")
         need(self.min_rows >= 2, "min_rows", "must be >= 2 (a context and a query row)")
@@ -330,6 +333,12 @@ class TableEpisodeSampler(SeekableStream):
         table = self.tables[t]
         lo, hi = min(self.cfg.min_rows, table.n_rows), min(self.cfg.max_rows, table.n_rows)
         rows = int(rng.integers(lo, hi + 1))
+        m = self.cfg.row_multiple
+        if m > 1:
+            if table.n_rows < m:
+                raise ValueError(f"table {table.name!r}: {table.n_rows} training rows cannot be split over "
+                                 f"{m} row-sequence-parallel ranks")
+            rows = max(m, rows - rows % m)
         cols = min(table.n_features, self.cfg.max_columns) + (table.task != IMPUTATION)
         batch = int(np.clip(self.cfg.cells_per_batch // (rows * cols), 1, self.cfg.max_batch))
         return t, rows, cols, batch

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .checkpoint import CheckpointMeta
+from .parallelize import unsharded
 from .plugin import Plugin
 from .plugins.single import SingleProcessPlugin
 from .precision import MixedPrecision
@@ -101,11 +102,12 @@ class Booster:
         must enter it together when the plugin's forward is collective), under the precision's
         autocast as in training (sharded plugins hold compute-dtype parameters). Plugins that cut
         the model's inputs (row-sequence parallel) suspend the cut meanwhile; for the others the
-        module is simply `model.unwrap()`."""
+        module is simply `model.unwrap()`. FSDP units stay gathered meanwhile (`unsharded`), so
+        methods other than forward (cached-context inference) see whole parameters."""
         hook = getattr(self.plugin, "evaluation", None)
         inner = hook(model) if hook is not None else contextlib.nullcontext(
             model.unwrap() if hasattr(model, "unwrap") else model)
-        with inner as module, self.plugin.autocast():
+        with inner as module, unsharded(module), self.plugin.autocast():
             yield module
 
     def execute_pipeline(self, data_iter: Iterator[Any], model: ModelWrapper, criterion: Callable,
@@ -132,18 +134,21 @@ class Booster:
         extra: dict[str, Any] | None = None,
         step: int | None = None,
         keep_last: int | None = None,
+        frozen: bool = True,
     ) -> Path:
         """Atomically write a checkpoint directory (e.g. `checkpoint_dir(root, step)`).
 
         `extra` holds trainer state (step, data-stream state, ...) as a nest of python values
         and tensors; RNG states are added automatically. The step recorded in the manifest is
         `step`, else `extra["step"]`, else the number in the directory name. With `keep_last`
-        only the newest K complete checkpoints beside `path` survive.
+        only the newest K complete checkpoints beside `path` survive. `frozen=False` leaves the model's
+        frozen parameters out (the run that loads it rebuilds them, e.g. a LoRA run's base weights from
+        its init); loading then checks that only those are missing.
         """
         path = Path(path)
         step = self._resolve_step(path, step, extra)
         meta = CheckpointMeta(step=step, plugin=self.plugin.name, precision=self.plugin.precision.dtype,
-                              layout=self.plugin.layout())
+                              layout=self.plugin.layout(), frozen=frozen)
         return self.plugin.checkpoint_io.save_checkpoint(
             path, meta, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, extra=extra,
             keep_last=keep_last)
@@ -163,9 +168,11 @@ class Booster:
             path, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, strict=strict,
             restore_rng=restore_rng)
 
-    def export(self, model: nn.Module, out_dir: str | Path, config: dict[str, Any]) -> Path:
-        """Write exactly `model.safetensors` + `config.json` to `out_dir` (atomically)."""
-        return self.plugin.checkpoint_io.export(model, out_dir, config)
+    def export(self, model: nn.Module, out_dir: str | Path, config: dict[str, Any],
+               transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Path:
+        """Write exactly `model.safetensors` + `config.json` to `out_dir` (atomically); `transform`
+        maps the gathered full state dict to what is written (e.g. adapters merged into weights)."""
+        return self.plugin.checkpoint_io.export(model, out_dir, config, transform)
 
     @staticmethod
     def _resolve_step(path: Path, step: int | None, extra: dict[str, Any] | None) -> int:

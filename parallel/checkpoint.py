@@ -115,6 +115,7 @@ class CheckpointMeta:
     plugin: str = "unknown"
     precision: str = "fp32"
     layout: dict[str, int] = field(default_factory=lambda: {"world_size": 1, "dp": 1, "tp": 1, "sp": 1, "pp": 1})
+    frozen: bool = True  # False: parameters with requires_grad=False left out (the run rebuilds them, e.g. LoRA's base)
 
 
 def _versions() -> dict[str, str | None]:
@@ -282,6 +283,27 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 # --- model weights -----------------------------------------------------------------------
 
+def frozen_names(model: nn.Module) -> set[str]:
+    """State-dict names of the parameters that do not train (requires_grad=False)."""
+    return {n for n, p in unwrap_model(model).named_parameters() if not p.requires_grad}
+
+
+def without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` less the model's frozen parameters (a checkpoint of what trains: CheckpointMeta.frozen=False)."""
+    frozen = frozen_names(model)
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def check_frozen_left_out(model: nn.Module, stored: set[str], path: Path) -> None:
+    """A checkpoint saved without frozen parameters may lack exactly those: ValueError naming any other
+    missing key (and any the model lacks), so leaving frozen weights out never hides a real mismatch."""
+    own = set(unwrap_model(model).state_dict())
+    missing, unexpected = sorted(own - stored - frozen_names(model)), sorted(stored - own)
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing keys {missing[:10]}, unexpected keys {unexpected[:10]} (a checkpoint "
+                         "without frozen parameters holds every trainable one)")
+
+
 def load_model_weights(model: nn.Module, path: str | Path, strict: bool = True) -> None:
     """Load `path` into `model` after checking names and shapes (ValueError naming key and file)."""
     module = unwrap_model(model)
@@ -329,11 +351,12 @@ class CheckpointIO(ABC):
     ) -> dict[str, Any]:
         """Load what was asked for from `path` (resharding if needed); return the `extra` dict."""
 
-    def export(self, model: nn.Module, out_dir: str | Path, config: dict[str, Any]) -> Path:
-        """Write the inference bundle (model.safetensors + config.json); sharded IOs gather first."""
+    def export(self, model: nn.Module, out_dir: str | Path, config: dict[str, Any], transform: Any = None) -> Path:
+        """Write the inference bundle (model.safetensors + config.json); sharded IOs gather first;
+        `transform` maps the full state dict before it is written (export.export_model)."""
         from .export import export_model
 
-        return export_model(model, out_dir, config)
+        return export_model(model, out_dir, config, transform)
 
 
 def sharded_reader(group: Any = None) -> CheckpointIO:
@@ -380,7 +403,11 @@ class GeneralCheckpointReader:
             raise ValueError(f"{path} was written by checkpoint IO {manifest.get('checkpoint_io')!r}; "
                              f"{type(self).__name__} reads only {self.name!r} checkpoints")
         if model is not None:
-            self.load_full_model_state(model, path / "model.safetensors", strict)
+            if manifest.get("frozen", True):
+                self.load_full_model_state(model, path / "model.safetensors", strict)
+            else:  # what trains only: the frozen weights are the model's own (its init)
+                check_frozen_left_out(model, set(load_weights(path / "model.safetensors")), path)
+                self.load_full_model_state(model, path / "model.safetensors", False)
         if optimizer is not None:
             self.load_full_optimizer_state(model, optimizer, load_state(path / "optimizer"))
         if lr_scheduler is not None:
@@ -402,7 +429,8 @@ class GeneralCheckpointIO(GeneralCheckpointReader, CheckpointIO):
         path = Path(path)
         with atomic_directory(path) as tmp:
             if model is not None:
-                save_weights(unwrap_model(model).state_dict(), tmp / "model.safetensors")
+                state = unwrap_model(model).state_dict()
+                save_weights(state if meta.frozen else without_frozen(model, state), tmp / "model.safetensors")
             if optimizer is not None:
                 save_state(optimizer.state_dict(), tmp / "optimizer")
             if lr_scheduler is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from .state_io import file_sha256, load_weights, read_json, save_weights
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 SHA256 = "weights_sha256"
+StateTransform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
@@ -25,9 +26,11 @@ def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in state.items() if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all())]
 
 
-def export_model(model: nn.Module, out_dir: str | Path, config: dict[str, Any]) -> Path:
+def export_model(model: nn.Module, out_dir: str | Path, config: dict[str, Any],
+                 transform: StateTransform | None = None) -> Path:
     """Atomically write `out_dir/model.safetensors` (contiguous, tied weights once) and
-    `out_dir/config.json`. An existing `out_dir` is replaced only if it holds nothing else."""
+    `out_dir/config.json`. An existing `out_dir` is replaced only if it holds nothing else.
+    `transform` maps the full state dict to what is written (e.g. adapters merged into weights)."""
     out = Path(out_dir)
     if out.exists():
         others = sorted({p.name for p in out.iterdir()} - {WEIGHTS, CONFIG}) if out.is_dir() else [out.name]
@@ -40,6 +43,8 @@ def export_model(model: nn.Module, out_dir: str | Path, config: dict[str, Any]) 
     except (TypeError, ValueError) as e:
         raise ValueError(f"config must be a JSON-serialisable dict: {e}") from None
     state = unwrap_model(model).state_dict()
+    if transform is not None:
+        state = transform(state)
     bad = non_finite(state)
     if bad:
         raise ValueError(f"refusing to export {out}: {len(bad)} weight tensors hold NaN or infinity ({bad[:5]}); "

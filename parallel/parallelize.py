@@ -20,8 +20,9 @@ parallelism (DDP, or the hybrid plugin's bucketed all-reduce) wraps or hooks the
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from torch import nn
 
@@ -31,7 +32,7 @@ from .plan import ParallelPlan
 from .sequence_parallel import parallelize_rows
 from .tensor_parallel import parallelize_tensor
 
-__all__ = ["Parallelized", "parallelize", "resolve_blocks"]
+__all__ = ["Parallelized", "parallelize", "resolve_blocks", "unsharded"]
 
 
 @dataclass
@@ -83,3 +84,30 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, sp
         fully_shard(model, **fully_shard_kwargs)
         done.fsdp_units = [b for _, b in blocks] + [model]
     return done
+
+
+@contextlib.contextmanager
+def unsharded(module: nn.Module) -> Iterator[nn.Module]:
+    """`module` with its outermost FSDP2 units' parameters gathered (`FSDPModule.unshard`, public)
+    until the context ends: code that calls the model's submodules or methods other than `forward`
+    (the estimators' cached-context inference) then reads whole parameters of the root's own
+    modules (encoder, heads), which only the root's forward would gather; inner units (the blocks)
+    gather in their own forwards as always. Only outermost units: unsharding an inner one first
+    would make it a root of its own (hence the root's set-up first). Collective: every rank enters it together."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .torch_internals import fsdp_lazy_init
+
+    units, inside = [], set()
+    for m in module.modules():  # parents before children
+        if isinstance(m, FSDPModule) and id(m) not in inside:
+            fsdp_lazy_init(m)
+            units.append(m)
+            inside.update(id(c) for c in m.modules())
+    for unit in units:
+        unit.unshard()
+    try:
+        yield module
+    finally:
+        for unit in units:
+            unit.reshard()

@@ -479,7 +479,7 @@ class PipelineCheckpointIO(ShardedCheckpointIO):
                 state[name][key] = targets[flat] = value
         return {"saved": {**doc, "param_groups": groups}, "state": state}
 
-    def export(self, model: nn.Module, out_dir: Any, config: dict[str, Any]) -> Any:
+    def export(self, model: nn.Module, out_dir: Any, config: dict[str, Any], transform: Any = None) -> Any:
         """Every stage's weights, broadcast over the pp group in model order; rank 0 writes them."""
         from pathlib import Path
 
@@ -498,5 +498,5 @@ class PipelineCheckpointIO(ShardedCheckpointIO):
                 dist.broadcast(t, src=src, group=self.pp_group)
                 state[key] = t.cpu()
         state = {k: state[k] for k in self.key_meta}
-        return Path(self._on_rank0(lambda: str(export_model(_StateHolder(state), out_dir, config)),
+        return Path(self._on_rank0(lambda: str(export_model(_StateHolder(state), out_dir, config, transform)),
                                    f"export {out_dir}"))

@@ -56,10 +56,12 @@ from .checkpoint import (
     CheckpointMeta,
     atomic_directory,
     capture_rng_state,
+    check_frozen_left_out,
     prune_checkpoints,
     read_manifest,
     restore_rng_state,
     unwrap_model,
+    without_frozen,
     write_manifest,
 )
 from .state_io import load_state, load_weights, save_state
@@ -285,7 +287,9 @@ class ShardedCheckpointIO(CheckpointIO):
             payload: dict[str, Any] = {"rng": capture_rng_state(), "trainer": dict(extra or {})}
             module = unwrap_model(model) if model is not None else None
             if module is not None:
-                tensors.update({_MODEL + k: v for k, v in self._model_state(module).items()})
+                state = self._model_state(module)
+                state = state if meta.frozen else without_frozen(module, state)
+                tensors.update({_MODEL + k: v for k, v in state.items()})
             if optimizer is not None:
                 osd = self._optimizer_state(module, optimizer)
                 opt_tensors, scalars = _split_state(osd["state"])
@@ -343,7 +347,10 @@ class ShardedCheckpointIO(CheckpointIO):
                                  f"{type(self).__name__} reads only {self.name!r} checkpoints")
             saved = read_dcp_metadata(path / DCP_DIR) if module is not None else {}
             targets: dict[str, torch.Tensor] = {}
-            msd = self._model_targets(module, saved, strict, targets, path) if module is not None else None
+            if module is not None and not manifest.get("frozen", True):  # trainable parameters only
+                check_frozen_left_out(module, {k[len(_MODEL):] for k in saved if k.startswith(_MODEL)}, path)
+            msd = self._model_targets(module, saved, strict and manifest.get("frozen", True), targets, path) \
+                if module is not None else None
             opt = self._optimizer_targets(module, optim, saved, targets, path) if optim is not None else None
             return (targets, msd, opt), None
 
@@ -351,7 +358,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if module is not None:
             _dcp_load(targets, path / DCP_DIR, self.group)
         if msd is not None:
-            self._set_model_state(module, msd, strict)
+            self._set_model_state(module, msd, strict and read_manifest(path).get("frozen", True))
         if opt is not None:
             self._set_optimizer_state(module, optim, opt, targets)
             scaler = getattr(optimizer, "scaler", None)
@@ -450,7 +457,7 @@ class ShardedCheckpointIO(CheckpointIO):
         set_optimizer_state_dict(module, optim, {"state": opt["state"], "param_groups": groups})
 
     # --- export ----------------------------------------------------------------------------
-    def export(self, model: nn.Module, out_dir: str | Path, config: dict[str, Any]) -> Path:
+    def export(self, model: nn.Module, out_dir: str | Path, config: dict[str, Any], transform: Any = None) -> Path:
         """Gather the full model state (collective) and write model.safetensors + config.json on rank 0."""
         from .export import export_model
 
@@ -460,7 +467,7 @@ class ShardedCheckpointIO(CheckpointIO):
             state = get_model_state_dict(module, options=options)
         else:
             state = {k: _full(v) for k, v in get_model_state_dict(module).items()}
-        return Path(self._on_rank0(lambda: str(export_model(_StateHolder(state), out_dir, config)),
+        return Path(self._on_rank0(lambda: str(export_model(_StateHolder(state), out_dir, config, transform)),
                                    f"export {out_dir}"))
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_init_group", "checkpoint_module", "dtensor_storage", "foreach_unscale_", "queue_backward_callback", "step_hooks_registered",
-           "sync_zero_param_groups"]
+__all__ = ["adam_init_group", "checkpoint_module", "dtensor_storage", "foreach_unscale_", "fsdp_lazy_init",
+           "queue_backward_callback", "step_hooks_registered", "sync_zero_param_groups"]
 
 
 def foreach_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -92,3 +92,14 @@ def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed._composable import checkpoint
 
     return checkpoint(module)
+
+
+def fsdp_lazy_init(root: torch.nn.Module) -> None:
+    """Set up a `fully_shard`-ed model as the root of its FSDP units, as its first forward would.
+
+    Private: FSDP2 does this only in the root's first forward (`FSDPState._lazy_init`), and code
+    that first calls an inner unit directly (the estimators' cached-context inference calls the
+    blocks, not the model's forward) would make that unit a root of its own, after which the
+    model's forward refuses to run. No public call does it; idempotent.
+    """
+    root._get_fsdp_state()._lazy_init()  # type: ignore[attr-defined]

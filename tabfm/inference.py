@@ -96,15 +96,24 @@ def target_batch(
 
 @contextlib.contextmanager
 def _inference(model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None) -> Iterator[None]:
-    """Eval mode (restored after), inference_mode, and bf16 autocast when asked for."""
+    """Eval mode (restored after), inference_mode, and bf16 autocast when asked for. A model that
+    FSDP shards (fine-tuning's held-out evaluation) runs under no_grad instead: the parameters its
+    units gather would otherwise be inference tensors that its next training step cannot update."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
+        with _no_autograd(model), torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
                                                     enabled=autocast_dtype is not None):
             yield
     finally:
         model.train(was_training)
+
+
+def _no_autograd(model: nn.Module) -> contextlib.AbstractContextManager:
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+    return torch.no_grad() if sharded else torch.inference_mode()
 
 
 def _device_of(model: nn.Module, device: torch.device | str | None) -> torch.device:

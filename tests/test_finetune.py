@@ -45,6 +45,16 @@ def random_export(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def random_cf_export(tmp_path_factory) -> str:
+    """As random_export, with context features (tabfm-tiny-cf's input contract)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", **SMALL, context_features="knn-linear")
+    out = tmp_path_factory.mktemp("init-cf") / "export"
+    export_model(TabFM(cfg), out, export_config(cfg, {}))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
 def table_csv(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("data") / "rules.csv"
     structured_table().to_csv(path, index=False)
@@ -110,10 +120,12 @@ def test_finetune_improves_held_out_logloss_and_never_sees_held_out_rows(tmp_pat
     assert proba.shape == (len(held), 2) and np.allclose(proba.sum(1), 1)
 
 
-def test_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, random_export, monkeypatch):
+@pytest.mark.parametrize("lora_rank", [None, 4])
+def test_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, random_export, monkeypatch, lora_rank):
+    """Also with LoRA, whose checkpoints hold the adapters only (the base weights are the init's)."""
     frame = structured_table(160, seed=1)
     cfg = smoke(random_export, steps=6, eval_every=3, ckpt_every=3, patience=0, lr=1e-3, replay=0.3,
-                replay_stream="tiny")
+                replay_stream="tiny", lora_rank=lora_rank)
     straight = finetune(cfg, tmp_path / "straight", data=frame, progress=False)
 
     save = Trainer.save
@@ -140,6 +152,8 @@ def test_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, random_export
     a = checkpoint_model_state(tmp_path / "straight" / "checkpoints" / "step_000006")
     b = checkpoint_model_state(tmp_path / "resumed" / "checkpoints" / "step_000006")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if lora_rank is not None:  # adapter-only checkpoints: 6 adapted layers per block, A and B each
+        assert all(k.endswith(("lora_a", "lora_b")) for k in a) and len(a) == 2 * 6 * SMALL["n_layers"]
     ea, eb = weights(straight.export), weights(resumed.export)
     assert all(torch.equal(ea[k], eb[k]) for k in ea)
     # the same run with other data is refused
@@ -294,6 +308,41 @@ def test_cli_bad_inputs_exit_2_with_clear_errors(tmp_path, table_csv, random_exp
     assert not (tmp_path / "run").exists()  # nothing was written for any of them
 
 
+@pytest.mark.parametrize("lora_rank", [None, 4])
+def test_the_held_out_score_is_the_estimators_score_on_the_export(tmp_path, table_csv, random_cf_export, lora_rank):
+    """From weights with context features (as tabfm-tiny-cf: the estimators' defaults show them exactly
+    what the episodes carry), full or LoRA fine-tuning: the export's held-out log-loss, recomputed with TabFMClassifier and
+    the recorded estimator parameters on the same rows, equals the run's; with LoRA only the adapted
+    projections moved and the export is plain weights."""
+    from sklearn.metrics import log_loss
+    from tabfm import TabFMClassifier
+
+    cfg = smoke(random_cf_export, data=table_csv, steps=4, eval_every=2, ckpt_every=2, patience=0, lr=3e-3,
+                lora_rank=lora_rank, eval_estimators=2)
+    result = finetune(cfg, tmp_path, progress=False)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    params = config["finetune"]["estimator_params"]
+    assert params == {"n_estimators": 2, "random_state": 0, "max_context_rows": 2048}  # the estimators' defaults else
+    frame = pd.read_csv(table_csv)
+    held = json.loads((tmp_path / "holdout_rows.json").read_text())["rules"]["rows"]
+    train = frame.drop(index=held)
+    clf = TabFMClassifier(model=str(tmp_path / "export"), **params).fit(train.drop(columns="y"), train["y"])
+    proba = clf.predict_proba(frame.drop(columns="y").iloc[held])
+    ll = log_loss(frame["y"].iloc[held], np.clip(proba, 1e-15, 1.0), labels=clf.classes_)
+    assert ll == pytest.approx(result.best["rules/logloss"], abs=1e-6)
+    assert config["finetune"]["step"] == result.best_step > 0  # it moved: the check compares trained weights
+
+    got, base = weights(tmp_path / "export"), weights(Path(random_cf_export))
+    assert got.keys() == base.keys()  # plain weights: adapters merged
+    moved = {k for k in got if not torch.equal(got[k], base[k])}
+    adapted = {f"blocks.{i}.{m}.weight" for i in range(SMALL["n_layers"]) for m in
+               ("col_attn.qkv", "col_attn.out", "row_attn.qkv", "row_attn.out", "mlp.fc1", "mlp.fc2")}
+    if lora_rank is None:
+        assert moved - adapted  # full fine-tuning moves the encoder and heads too
+    else:
+        assert moved and moved <= adapted and config["finetune"]["lora"]["rank"] == lora_rank
+
+
 def test_cli_finetune_runs_and_resumes(tmp_path, table_csv, random_export, capsys):
     out = str(tmp_path / "run")
     args = ["--data", table_csv, "--target", "y", "--out", out, "--preset", "smoke", "--init", random_export,
@@ -303,6 +352,36 @@ def test_cli_finetune_runs_and_resumes(tmp_path, table_csv, random_export, capsy
     code = main(["finetune", *args, "--quiet", "--threads", "1"])
     text = capsys.readouterr().out
     assert code == 0 and "resuming" in text and "stopped: finished" in text and "rules/logloss" in text
+
+
+def test_cli_lora_run_exports_from_its_adapter_checkpoints(tmp_path, table_csv, random_export, capsys):
+    """`tabfm finetune --lora-rank 4` then `tabfm export RUN/checkpoints/step_N OUT`: the checkpoint holds
+    adapters only; the export rebuilds the init + adapters and merges them, equal to the run's own export
+    of that step."""
+    out = tmp_path / "run"
+    args = ["--data", table_csv, "--target", "y", "--out", str(out), "--preset", "smoke", "--init", random_export,
+            "--steps", "4", "--eval-every", "2", "--ckpt-every", "2", "--patience", "0", "--lr", "3e-3",
+            "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "blocks.*.mlp.fc1,blocks.*.row_attn.qkv"]
+    code, _ = run_cli(args, capsys)
+    assert code == 0
+    summary = json.loads((out / "finetune_summary.json").read_text())
+    best = summary["best_step"]
+    base = weights(Path(random_export))
+    run_export = weights(out / "export")
+    if best == 0:
+        assert all(torch.equal(run_export[k], base[k]) for k in base)
+        best = 2  # still check that a checkpoint exports
+    assert main(["export", str(out / "checkpoints" / f"step_{best:06d}"), str(tmp_path / "again")]) == 0
+    again = weights(tmp_path / "again")
+    assert again.keys() == base.keys()
+    moved = {k for k in base if not torch.equal(again[k], base[k])}
+    assert moved and moved <= {f"blocks.{i}.{m}.weight" for i in range(SMALL["n_layers"]) for m in ("mlp.fc1", "row_attn.qkv")}
+    if summary["best_step"] > 0:
+        assert all(torch.equal(again[k], run_export[k]) for k in base)
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["finetune"]["lora"] == {"rank": 4, "alpha": 8.0, "scale": 2.0,
+                                          "targets": ["blocks.*.mlp.fc1", "blocks.*.row_attn.qkv"]}
+    assert run_cli([*args[:-2]], capsys)[0] == 2  # another adapter layout: refused, the run is not resumed
 
 
 # ----------------------------------------------------------------------------- another layout
@@ -329,3 +408,48 @@ def test_a_two_rank_ddp_run_resumes_in_one_process(tmp_path, random_export, tabl
     resume = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "resume"]
     assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)]
     assert again.best_step in (0, 2, 4, 6) and (tmp_path / "run" / "export" / "model.safetensors").is_file()
+
+
+LORA_LAYOUTS = {"ddp": dict(plugin="ddp"), "zero2": dict(plugin="zero", zero_stage=2), "fsdp": dict(plugin="fsdp"),
+                "hybrid-sp2": dict(plugin="hybrid", sp=2), "single": {}}
+
+
+def _lora_cfg(init: str, csv: str, layout: str, steps: int = 4) -> FinetuneConfig:
+    # 64-row episodes: a multiple of sp = 2, so one process draws the shapes row-sequence parallel ranks do
+    return smoke(init, data=csv, steps=steps, eval_every=2, ckpt_every=2, patience=0, lr=3e-3, lora_rank=4,
+                 min_rows=64, max_rows=64, **LORA_LAYOUTS[layout])
+
+
+def _lora_finetune(rank: int, world: int, out: str, init: str, csv: str, layout: str) -> dict:
+    from tabfm.train.pretrain import build_plugin
+
+    cfg = _lora_cfg(init, csv, layout)
+    result = finetune(cfg, out, plugin=build_plugin(cfg), progress=False)
+    return {"step": result.step, "best": result.best}
+
+
+@pytest.mark.slow
+def test_lora_under_every_plugin_matches_its_reference_and_resumes_in_one_process(tmp_path, random_export, table_csv):
+    """Two ranks. Data parallel (the same two batches per step): LoRA under ZeRO-2 and FSDP trains the
+    adapters DDP trains. Row-sequence parallel (hybrid sp=2, one batch per step): the adapters one
+    process trains. Adapter-only checkpoints within fp32 tolerance; the FSDP run resumes in one process."""
+    from tests.dist_utils import run_distributed
+
+    states = {}
+    for layout in ("ddp", "zero2", "fsdp", "hybrid-sp2"):
+        got = run_distributed(_lora_finetune, world_size=2, args=(str(tmp_path / layout), random_export, table_csv,
+                                                                  layout), timeout_s=300)
+        assert [r["step"] for r in got] == [4, 4]
+        states[layout] = checkpoint_model_state(tmp_path / layout / "checkpoints" / "step_000004")
+    finetune(_lora_cfg(random_export, table_csv, "single"), tmp_path / "single", progress=False)
+    states["single"] = checkpoint_model_state(tmp_path / "single" / "checkpoints" / "step_000004")
+    for layout, reference in (("zero2", "ddp"), ("fsdp", "ddp"), ("hybrid-sp2", "single")):
+        assert states[layout].keys() == states[reference].keys() and states[layout]
+        assert all(k.endswith(("lora_a", "lora_b")) for k in states[layout])
+        for k, v in states[reference].items():
+            assert torch.allclose(states[layout][k], v, atol=1e-5, rtol=1e-4), (layout, k)
+    assert not torch.allclose(states["ddp"][k], states["single"][k], atol=1e-5)  # two batches per step differ
+    again = finetune(_lora_cfg(random_export, table_csv, "single", steps=6), tmp_path / "fsdp", progress=False)
+    assert again.step == 6 and again.train.step == 6
+    resume = [r for r in read_metrics(tmp_path / "fsdp" / "metrics.jsonl") if r["kind"] == "resume"]
+    assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)]

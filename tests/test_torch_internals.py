@@ -128,6 +128,32 @@ def test_dtensor_storage_is_the_local_shard_itself():
         assert r["full"].tolist() == (torch.arange(8.0) + 100.0).tolist()
 
 
+def _lazy_init_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tabfm.parallel.torch_internals import fsdp_lazy_init
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(3, 4)
+    fsdp_lazy_init(model)
+    fsdp_lazy_init(model)  # idempotent
+    model.unshard()
+    inner = model[1](model[0](x))  # an inner unit called directly, then the model's forward still runs
+    model.reshard()
+    return {"inner": inner.detach(), "full": model(x).detach()}
+
+
+def test_fsdp_lazy_init_lets_inner_units_run_before_the_roots_forward():
+    """Without it, calling model[1] first makes it an FSDP root, and model(x) then raises."""
+    for r in run_distributed(_lazy_init_worker, world_size=2, timeout_s=120):
+        torch.testing.assert_close(r["inner"], r["full"])
+
+
 # torch.<...>._private, and the private torch attributes the engine once used on torch objects
 PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._[a-z]\w*|\.(?:_local_tensor|_buffers|_parameters|_modules|_init_group|"
                      r"_sync_param_groups|_optimizer_step_\w+|_global_optimizer_\w+|_execution_engine)\b")

@@ -167,12 +167,12 @@ class GeminiCheckpointIO(ShardedCheckpointIO):
         self._plugin.optimizer.load_tensor_states({t: opt["state"].get(t.name) for t in self._manager.order})
 
     # --- export -------------------------------------------------------------------------------
-    def export(self, model: nn.Module, out_dir, config: dict[str, Any]) -> Path:
+    def export(self, model: nn.Module, out_dir, config: dict[str, Any], transform: Any = None) -> Path:
         """Gather the full weights (collective) and write model.safetensors + config.json on rank 0."""
         from ..export import export_model
 
         state = self._plugin.full_state_dict(unwrap_model(model))
-        return Path(self._on_rank0(lambda: str(export_model(_StateHolder(state), out_dir, config)),
+        return Path(self._on_rank0(lambda: str(export_model(_StateHolder(state), out_dir, config, transform)),
                                    f"export {out_dir}"))
 
 

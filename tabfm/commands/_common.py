@@ -19,10 +19,11 @@ FINETUNE_PRESETS = ("default", "long", "smoke")
 STREAM_PRESETS = ("default", "small", "tiny", "pretrain", "pretrain-wide", "pretrain-mixed", "large")
 # tabfm.train.optim.OPTIMIZERS
 OPTIMIZERS = ("adamw", "muon")
-# tabfm.train.config.PRECISIONS, PLUGINS, PRETRAIN_PLUGINS, GEMINI_PLACEMENTS
+# tabfm.train.config.PRECISIONS, PLUGINS, PRETRAIN_PLUGINS, FINETUNE_PLUGINS, GEMINI_PLACEMENTS
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PLUGINS = ("single", "ddp", "zero", "fsdp")
 PRETRAIN_PLUGINS = (*PLUGINS, "hybrid", "gemini")
+FINETUNE_PLUGINS = (*PLUGINS, "hybrid")
 GEMINI_PLACEMENTS = ("static", "auto")
 # tabfm.model.config.CONTEXT_FEATURES (= tabfm.data.context_features.ContextFeatureSpec.NAMES)
 CONTEXT_FEATURES = ("none", "knn-linear", "knn")

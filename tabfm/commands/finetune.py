@@ -1,8 +1,9 @@
 """`tabfm finetune`: fine-tune the model on your own tables, judged on rows it never trains on.
 
     tabfm finetune --data PATH --target COL --out DIR [--task classification|regression]
-                   [--init tabfm-tiny | EXPORT_DIR] [--steps N] [--max-minutes M] [--lr LR]
-                   [--replay FRACTION] [--holdout FRACTION] [--plugin single|ddp|zero|fsdp]
+                   [--init tabfm-tiny-cf | EXPORT_DIR] [--steps N] [--max-minutes M] [--lr LR]
+                   [--replay FRACTION] [--holdout FRACTION] [--plugin single|ddp|zero|fsdp|hybrid]
+                   [--lora-rank R [--lora-alpha A] [--lora-targets PATTERNS]]
 
 PATH is a CSV, a Parquet file, a directory of them, or a table store. A share of each table's
 rows (--holdout, default 0.2, stratified for classification) is held out; the model trains on
@@ -19,7 +20,7 @@ import gc
 import traceback
 from typing import TYPE_CHECKING
 
-from tabfm.commands._common import (FINETUNE_PRESETS, OPTIMIZERS, PLUGINS, PRECISIONS, PREDICTION_TASKS,
+from tabfm.commands._common import (FINETUNE_PLUGINS, FINETUNE_PRESETS, OPTIMIZERS, PRECISIONS, PREDICTION_TASKS,
                                     STREAM_PRESETS, add_output_flags, add_preset, show_progress)
 
 if TYPE_CHECKING:  # torch loads when the command runs, not for --help
@@ -31,13 +32,13 @@ _FIELDS = {
     "seed": int, "optimizer": str, "precision": str, "warmup_steps": int, "weight_decay": float, "grad_accum": int,
     "eval_every": int, "patience": int, "ckpt_every": int, "keep_last": int, "log_every": int, "device": str,
     "min_rows": int, "max_rows": int, "cells_per_batch": int, "imputation": float, "categorical": str,
-    "eval_estimators": int, "eval_rows": int, "replay_stream": str,
+    "eval_estimators": int, "eval_rows": int, "replay_stream": str, "lora_rank": int, "lora_alpha": float,
 }
 _CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity"),
             "replay_stream": STREAM_PRESETS}
 # the defaults named are those of the default preset (FinetuneConfig); --preset smoke / long change some
 _HELP = {
-    "init": "starting weights: a shipped model name or an export directory (default tabfm-tiny)",
+    "init": "starting weights: a shipped model name or an export directory (default tabfm-tiny-cf)",
     "steps": "optimizer steps of the whole run, also the length of the cosine schedule (default 300)",
     "max_minutes": "wall-clock budget of this invocation in minutes; rerunning the command resumes (default: none)",
     "lr": "peak learning rate (default 1e-4)",
@@ -66,6 +67,9 @@ _HELP = {
     "eval_estimators": "ensemble members of the held-out evaluation (default 4)",
     "eval_rows": "held-out rows scored per table; a fixed random subset beyond (default 2048)",
     "replay_stream": "StreamConfig preset of the --replay batches (default pretrain)",
+    "lora_rank": "train low-rank adapters of rank R on the blocks' attention and MLP projections instead of every "
+                 "weight (the rest frozen; merged into the weights at export; default: full fine-tuning)",
+    "lora_alpha": "--lora-rank: the adapters' update is scaled by ALPHA / R (default R: by 1)",
 }
 
 
@@ -79,10 +83,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="run directory; an existing run there resumes")
     add_preset(p, FINETUNE_PRESETS, "default", "recipe: default; long for more steps and sparser evaluation; "
                                                 "smoke runs in seconds, for a first look")
-    p.add_argument("--plugin", default="single", choices=PLUGINS,
-                   help="engine plugin: single (one process) or ddp | zero | fsdp under torchrun")
-    p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2), default=None,
-                   help="ZeRO stage for --plugin zero (default 1)")
+    p.add_argument("--plugin", default="single", choices=FINETUNE_PLUGINS,
+                   help="engine plugin: single (one process) or ddp | zero | fsdp | hybrid under torchrun")
+    p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2, 3), default=None,
+                   help="--plugin zero: 1 (default) or 2; --plugin hybrid: 2 or 3 (FSDP2 over the data-parallel x "
+                        "row-sequence ranks; default replicated)")
+    p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table (not with LoRA)")
+    p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
+    p.add_argument("--lora-targets", dest="lora_targets", default=None, metavar="PATTERNS",
+                   help="--lora-rank: comma-separated module-name patterns of the adapted linear layers (default "
+                        "blocks.*.col_attn.qkv,blocks.*.col_attn.out,blocks.*.row_attn.qkv,blocks.*.row_attn.out,"
+                        "blocks.*.mlp.fc1,blocks.*.mlp.fc2)")
     add_output_flags(p)
     p.add_argument("--restart", action="store_true",
                    help="start the run in --out over: remove its checkpoints and metrics first (a run resumes otherwise)")
@@ -98,10 +109,17 @@ def config_from_args(args: argparse.Namespace) -> "FinetuneConfig":
 
     overrides = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
     overrides.update(data=args.data, target=args.target, task=args.task, plugin=args.plugin)
+    if args.lora_targets is not None:
+        if args.lora_rank is None:
+            raise ValueError("--lora-targets needs --lora-rank")
+        overrides["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     if args.zero_stage is not None:
-        if args.plugin != "zero":
-            raise ValueError(f"--zero-stage applies to --plugin zero, not --plugin {args.plugin}")
+        if args.plugin not in ("zero", "hybrid"):
+            raise ValueError(f"--zero-stage applies to --plugin zero or hybrid, not --plugin {args.plugin}")
         overrides["zero_stage"] = args.zero_stage
+    for name in ("tp", "sp"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     return FinetuneConfig.preset(args.preset, **overrides)
 
 

@@ -196,7 +196,10 @@ class TabFMEstimator(BaseEstimator):
                              f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}) has no CUDA "
                              "device; use device='cpu' or 'auto'")
         if isinstance(self.model, nn.Module):
-            model = self.model.to(device)
+            # a module already there is used as it is: .to() would re-register the parameters of one that an
+            # engine holds gathered (fine-tuning's held-out evaluation under FSDP)
+            on = {p.device for p in self.model.parameters()}
+            model = self.model if on == {device} else self.model.to(device)
         else:
             model = load_model(self.model, device)
         cast = {"fp32": None, "bf16": torch.bfloat16, "auto": torch.bfloat16 if device.type == "cuda" else None}

@@ -10,7 +10,8 @@ from tabfm.train.optim import OPTIMIZERS
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PLUGINS = ("single", "ddp", "zero", "fsdp")  # engine plugins a training run (pretrain, finetune) can use
-PRETRAIN_PLUGINS = (*PLUGINS, "hybrid", "gemini")  # pretraining also splits tables, or offloads (Gemini)
+PRETRAIN_PLUGINS = (*PLUGINS, "hybrid", "gemini")
+FINETUNE_PLUGINS = (*PLUGINS, "hybrid")  # fine-tuning: + row-sequence parallel (long tables)  # pretraining also splits tables, or offloads (Gemini)
 GEMINI_PLACEMENTS = ("static", "auto")
 
 

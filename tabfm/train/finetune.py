@@ -46,14 +46,16 @@ from tabfm.parallel.launch import barrier
 from tabfm.parallel.state_io import read_json
 from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
-from tabfm.train.config import PLUGINS, PRECISIONS, resolve_precision
+from tabfm.model.lora import DEFAULT_TARGETS, LoraConfig, add_adapters, adapter_parameters, merge_adapters
+from tabfm.train.config import FINETUNE_PLUGINS, PRECISIONS, resolve_precision
 from tabfm.train.optim import OPTIMIZERS, build_optimizer, warmup_cosine
 from tabfm.train.pretrain import TRAIN_CONFIG, announce_resume, build_plugin, export_config, start_over, warm_start
 from tabfm.train.trainer import Trainer, TrainResult
+from tabfm.weights import DEFAULT_MODEL
 
 SUMMARY_FILE = "finetune_summary.json"
 HOLDOUT_FILE = "holdout_rows.json"
-RUN_KEYS = ("target", "task", "init", "seed", "holdout", "optimizer", "categorical")  # must match to resume
+RUN_KEYS = ("target", "task", "init", "seed", "holdout", "optimizer", "categorical", "lora")  # must match to resume
 _REPLAY = 3  # spawn-key domain of the per-position replay draw
 
 
@@ -66,7 +68,8 @@ class FinetuneConfig:
     data           what to read (CSV, Parquet, directory or store); `finetune(data=...)` may pass a DataFrame
     target, task   target column (a store's header may supply it) and "classification" | "regression"
                    (None: inferred, as `tabfm predict` does)
-    init           starting weights: a shipped model name or an export directory
+    init           starting weights: a shipped model name or an export directory (default tabfm-tiny-cf,
+                   whose estimator defaults show it exactly what its training episodes carry)
     steps          optimizer steps of the whole run (and of the cosine schedule); max_minutes: this invocation
     holdout        share of each table's rows held out for evaluation (stratified for classification);
                    they never enter a training episode
@@ -76,13 +79,18 @@ class FinetuneConfig:
                    more than min_delta before stopping (0: never stop early)
     eval_estimators, eval_rows, eval_context_rows   the evaluation's ensemble size, held-out rows scored per
                    table (a fixed random subset beyond), and context rows (the estimators' max_context_rows)
-    plugin         engine plugin: single | ddp | zero | fsdp (the distributed ones under torchrun)
+    plugin         engine plugin: single | ddp | zero | fsdp | hybrid (the distributed ones under torchrun);
+                   zero_stage: zero 1 (default) or 2, hybrid 2 or 3 (default replicated); tp, sp: hybrid's
+                   tensor- and row-sequence-parallel ranks per table
+    lora_rank      None: full fine-tuning; r: low-rank adapters of rank r on `lora_targets` (the blocks'
+                   attention and MLP projections by default), everything else frozen, merged into the
+                   weights at export (tabfm.model.lora); lora_alpha scales the update by alpha / r (None: r)
     """
 
     data: str | None = None
     target: str | None = None
     task: str | None = None
-    init: str = "tabfm-tiny"
+    init: str = "tabfm-tiny-cf"
     steps: int = 300
     max_minutes: float | None = None
     threads: int | None = None
@@ -119,7 +127,14 @@ class FinetuneConfig:
     keep_last: int = 2
     device: str | None = None
     plugin: str = "single"
-    zero_stage: int = 1
+    zero_stage: int | None = None
+    tp: int = 1
+    sp: int = 1
+    pp = 1  # not a field: fine-tuning runs no pipeline stages (build_plugin reads these two)
+    microbatches = 1
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
 
     PRESETS = {
         # a few hundred steps of ~16k cells: minutes on 2 CPU cores for the tiny model
@@ -143,14 +158,21 @@ class FinetuneConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def lora(self) -> LoraConfig | None:
+        """The adapters this run trains (None: full fine-tuning)."""
+        if self.lora_rank is None:
+            return None
+        return LoraConfig(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
+
     def episode_config(self, max_classes: int, context_features: str = "none") -> EpisodeConfig:
         """The episode settings, for a model whose categorical head scores `max_classes` codes and
-        that reads `context_features` (its ModelConfig's: fine-tuning trains on what inference shows)."""
+        that reads `context_features` (its ModelConfig's: fine-tuning trains on what inference shows);
+        rows in multiples of sp (row-sequence parallel ranks split them evenly)."""
         return EpisodeConfig(min_rows=self.min_rows, max_rows=self.max_rows, cells_per_batch=self.cells_per_batch,
                              max_batch=self.max_batch, max_columns=self.max_columns, max_classes=max_classes,
                              context_fraction=self.context_fraction, mask_fraction=self.mask_fraction,
                              imputation=self.imputation, categorical=self.categorical,
-                             context_features=context_features)
+                             context_features=context_features, row_multiple=self.sp)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -169,8 +191,14 @@ class FinetuneConfig:
         need(isinstance(self.init, str) and bool(self.init), "init", "must name a shipped model or an export directory")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
         need(self.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
-        need(self.plugin in PLUGINS, "plugin", f"must be one of {', '.join(PLUGINS)}")
-        need(self.zero_stage in (1, 2), "zero_stage", "must be 1 or 2 (ZeRO-3 is --plugin fsdp)")
+        need(self.plugin in FINETUNE_PLUGINS, "plugin", f"must be one of {', '.join(FINETUNE_PLUGINS)}")
+        stages = {"zero": (1, 2), "hybrid": (2, 3)}.get(self.plugin, ())
+        need(self.zero_stage is None or self.zero_stage in stages, "zero_stage",
+             f"with plugin {self.plugin!r} must be None" + (f" or one of {stages}" if stages else ""))
+        need(self.plugin == "hybrid" or (self.tp, self.sp) == (1, 1), "tp", "tp and sp apply to plugin 'hybrid'")
+        need(integer(self.tp) and self.tp >= 1 and integer(self.sp) and self.sp >= 1, "tp", "tp and sp must be integers >= 1")
+        need(self.lora_rank is None or self.tp == 1, "tp", "LoRA adapters are not tensor-parallel yet: use tp 1 "
+             "(sp, ZeRO and FSDP shard adapters as they shard weights)")
         need(self.categorical in CATEGORICAL_MODES, "categorical", f"must be one of {CATEGORICAL_MODES}")
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 < self.holdout < 1.0, "holdout", "must be a fraction in (0, 1): fine-tuning is judged on held-out rows")
@@ -182,6 +210,11 @@ class FinetuneConfig:
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
         need(self.threads is None or (integer(self.threads) and self.threads >= 1), "threads", "must be None or an integer >= 1")
         StreamConfig.preset(self.replay_stream)  # raises naming the presets
+        need(self.lora_rank is not None or self.lora_alpha is None, "lora_alpha", "needs lora_rank (--lora-rank)")
+        try:
+            self.lora()
+        except ValueError as err:
+            raise ValueError(f"FinetuneConfig: {err}") from None
         try:
             self.episode_config(max_classes=10)
         except ValueError as err:
@@ -298,28 +331,39 @@ def _finite(x: float) -> float | None:
 
 
 class HoldoutEval:
-    """Scores a model in context on each table's held-out rows as the estimators use it:
-    `TabFMClassifier` / `TabFMRegressor` fitted on the training rows (the context), predicting the
-    held-out rows, with what the training episodes show the model (n_neighbors=0, linear_features=False,
-    and multiclass="native" for classes). Metrics per table: log-loss, accuracy, ROC-AUC (one-vs-rest for multiclass) or
-    RMSE, R^2; `score` = mean over tables of log-loss or RMSE / std(training y). Lower is better."""
+    """Scores a model in context on each table's held-out rows exactly as the estimators will use
+    the exported weights: `TabFMClassifier` / `TabFMRegressor` with their defaults (ensemble of
+    `eval_estimators` members, `eval_context_rows` context rows: the estimators' defaults unless
+    changed) fitted on the training rows, predicting the held-out rows. A model with context
+    features sees at inference exactly the columns its training episodes carry. A model without
+    (the legacy `tabfm-tiny`) would get the estimators' neighbour and linear columns, which
+    fine-tuning episodes do not carry: it is scored with them off and one n-way pass for classes
+    (`estimator_params`, which reproduce the scores), with a warning.
+    Metrics per table: log-loss, accuracy, ROC-AUC (one-vs-rest for multiclass) or RMSE, R^2;
+    `score` = mean over tables of log-loss or RMSE / std(training y). Lower is better."""
 
-    def __init__(self, tables: list[FinetuneTable], cfg: FinetuneConfig) -> None:
+    def __init__(self, tables: list[FinetuneTable], cfg: FinetuneConfig, context_features: str = "none") -> None:
         from tabfm.estimators import TabFMClassifier, TabFMRegressor  # sklearn-heavy: only when evaluating
 
         self.tables = tables
+        self.estimator_params = self.params_for(cfg, context_features)
         self.estimators = []
         for t in tables:
             kind = TabFMClassifier if t.task == CLASSIFICATION else TabFMRegressor
-            # scored the way it is trained: the table's own columns (no neighbour or linear features,
-            # which the training episodes do not carry) and, for classes, one n-way pass
-            how = dict(multiclass="native") if t.task == CLASSIFICATION else {}
-            est = kind(n_estimators=cfg.eval_estimators, random_state=cfg.seed, precision="fp32",
-                       max_context_rows=cfg.eval_context_rows, max_columns=cfg.max_columns, n_neighbors=0,
-                       linear_features=False, **how)
+            params = {k: v for k, v in self.estimator_params.items() if k != "multiclass" or kind is TabFMClassifier}
+            est = kind(**params)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 self.estimators.append(est.fit(t.train_X, t.train_y))  # encodes the context once; no model yet
+
+    @staticmethod
+    def params_for(cfg: FinetuneConfig, context_features: str) -> dict[str, Any]:
+        """The estimator parameters the held-out scores are computed with (and reproduced by)."""
+        params: dict[str, Any] = dict(n_estimators=cfg.eval_estimators, random_state=cfg.seed,
+                                      max_context_rows=cfg.eval_context_rows)
+        if context_features == "none":
+            params.update(n_neighbors=0, linear_features=False, multiclass="native")
+        return params
 
     def __call__(self, model: nn.Module) -> dict[str, float]:
         from sklearn.metrics import accuracy_score, log_loss, r2_score, roc_auc_score
@@ -351,7 +395,7 @@ class HoldoutEval:
                     out.update({f"{t.name}/rmse": rmse, f"{t.name}/nrmse": rmse / scale,
                                 f"{t.name}/r2": float(r2_score(t.eval_y, pred)) if len(t.eval_y) > 1 else float("nan")})
                     scores.append(rmse / scale)
-            est.set_params(model="tabfm-tiny")  # do not keep a reference to the training module
+            est.set_params(model=DEFAULT_MODEL)  # do not keep a reference to the training module
         out["score"] = float(np.mean(scores))
         return out
 
@@ -504,10 +548,48 @@ def _init_model(init: str) -> tuple[ModelConfig, str | None]:
     return model_cfg, preset if same else None
 
 
+def checkpoint_model(train: dict[str, Any], state: dict[str, torch.Tensor], ckpt: Path
+                     ) -> tuple[TabFM, ModelConfig, Callable | None]:
+    """The model a fine-tuning checkpoint's weights belong to (its init's config), loaded; with LoRA
+    the init's weights plus the checkpoint's adapters, and the transform that merges them at export."""
+    from tabfm.parallel.checkpoint import check_frozen_left_out
+
+    model_cfg, _ = _init_model(train["init"])
+    model = TabFM(model_cfg)
+    lora = train.get("lora")
+    if lora is None:
+        model.load_state_dict(state, strict=True)
+        return model, model_cfg, None
+    _check_init_unchanged(train)
+    warm_start(model, train["init"])
+    config = LoraConfig(lora["rank"], lora["alpha"], tuple(lora["targets"]))
+    add_adapters(model, config)
+    check_frozen_left_out(model, set(state), ckpt)
+    model.load_state_dict(state, strict=False)
+    return model, model_cfg, lambda full: merge_adapters(full, config.scale)
+
+
+def _init_sha256(init: str) -> str | None:
+    from tabfm.weights import CONFIG_FILE, resolve_model_path
+
+    return json.loads((resolve_model_path(init) / CONFIG_FILE).read_text()).get("weights_sha256")
+
+
+def _check_init_unchanged(saved: dict[str, Any]) -> None:
+    """A LoRA run's checkpoints hold adapters on top of its init's weights: refuse an init whose
+    weights changed since (the adapters would sit on other weights)."""
+    want, got = saved.get("init_weights_sha256"), _init_sha256(saved["init"])
+    if want is not None and got != want:
+        raise ValueError(f"--init {saved['init']}: its weights changed since this LoRA run started (sha256 {got}, "
+                         f"the run recorded {want}); its checkpoints hold adapters of the old weights only")
+
+
 def _run_record(cfg: FinetuneConfig, source: Any, tables: list[FinetuneTable], preset: str | None) -> dict[str, Any]:
     """train_config.json: the config, the data it read, and "model" (the preset name, as `tabfm export` reads)."""
     record = cfg.to_dict()
-    record.update(recipe="finetune", model=preset,
+    lora = cfg.lora()
+    record.update(recipe="finetune", model=preset, lora=None if lora is None else lora.to_dict(),
+                  init_weights_sha256=_init_sha256(cfg.init),
                   data=cfg.data if cfg.data is not None else (str(source) if isinstance(source, (str, os.PathLike))
                                                               else f"<{type(source).__name__}>"),
                   tables=[{"name": t.name, "source": t.source, "target": t.target, "task": t.task,
@@ -527,6 +609,8 @@ def _check_same_run(out: Path, record: dict[str, Any]) -> None:
     def content(r: dict[str, Any]) -> list:  # the tables by content, wherever the files now lie
         return [{k: t.get(k) for k in ("name", "target", "task", "fingerprint")} for t in r.get("tables") or []]
 
+    if record.get("lora") is not None:
+        _check_init_unchanged(saved)
     for key in (*RUN_KEYS, "tables"):
         if (content(saved) != content(record)) if key == "tables" else (saved.get(key) != record.get(key)):
             what = "the tables' content" if key == "tables" else f"{key}={saved.get(key)!r}"
@@ -589,12 +673,27 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
 
     torch.manual_seed(cfg.seed)
     model = TabFM(model_cfg)
-    if latest_checkpoint(out / "checkpoints") is None:
-        warm_start(model, cfg.init)
+    lora = cfg.lora()
+    if lora is not None or latest_checkpoint(out / "checkpoints") is None:
+        warm_start(model, cfg.init)  # a LoRA run's checkpoints hold the adapters only: the base is the init
+    if lora is not None:  # before the engine wraps the model: it and the optimizer see only the adapters
+        adapted = add_adapters(model, lora)
+        if talk:
+            n = adapter_parameters(model)
+            print(f"LoRA rank {lora.rank} (scale {lora.scale:g}) on {len(adapted)} layers: {n['adapter']:,} trainable "
+                  f"parameters of {n['total']:,} ({n['adapter'] / n['total']:.1%}); the rest frozen, adapters "
+                  "merged into the weights at export", flush=True)
+    if talk and model_cfg.context_features == "none":
+        params = HoldoutEval.params_for(cfg, "none")
+        print(f"--init {cfg.init} has no context features: the estimators' defaults would add neighbour and linear "
+              "columns that fine-tuning episodes do not carry, so held-out rows are scored (and the export is best "
+              f"used) with {', '.join(f'{k}={params[k]!r}' for k in ('n_neighbors', 'linear_features', 'multiclass'))}",
+              flush=True)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     booster = Booster(plug, precision=resolve_precision(cfg.precision, plug.device))
-    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    # the criterion goes through the booster: under row-sequence parallelism it reduces the ranks' row-sharded losses
+    model, optimizer, criterion, _, scheduler = booster.boost(model, optimizer, masked_cell_loss, lr_scheduler=scheduler)
 
     from tqdm.auto import tqdm
 
@@ -607,23 +706,26 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         replay_cfg = StreamConfig.preset(cfg.replay_stream, context_features=model_cfg.context_features)
         replay = SynthStream(replay_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
     stream = FinetuneData(sampler, keeper, cfg.replay, replay, cfg.seed)
-    holdout = HoldoutEval(tables, cfg)
+    holdout = HoldoutEval(tables, cfg, model_cfg.context_features)
 
     def evaluate(module: nn.Module) -> dict[str, float]:
         metrics = holdout(module)
         return {**metrics, **keeper.update(metrics)}
 
     trainer = Trainer(
-        booster, model, optimizer, scheduler, masked_cell_loss, stream, out,
+        booster, model, optimizer, scheduler, criterion, stream, out,
         steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
         evaluators={"holdout": evaluate}, eval_every=cfg.eval_every, export_config=None, progress=progress,
-        seed=cfg.seed, bar=bar,
+        seed=cfg.seed, bar=bar, save_frozen=lora is None,
     )
 
     def export(step: int, metrics: dict[str, float]) -> None:
-        info = {"step": step, "holdout": {k: _finite(v) for k, v in metrics.items()}, "init": cfg.init}
-        booster.export(trainer.model, out / "export", export_config(model_cfg, record, preset=preset, finetune=info))
+        info = {"step": step, "holdout": {k: _finite(v) for k, v in metrics.items()}, "init": cfg.init,
+                "lora": record["lora"], "estimator_params": {k: v for k, v in holdout.estimator_params.items()}}
+        merge = None if lora is None else (lambda state: merge_adapters(state, lora.scale))
+        booster.export(trainer.model, out / "export", export_config(model_cfg, record, preset=preset, finetune=info),
+                       transform=merge)
 
     keeper.bind(trainer, export)
     if trainer.resume():

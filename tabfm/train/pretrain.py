@@ -346,7 +346,8 @@ def run_train_config(ckpt: Path, train_config: str | Path | None = None) -> dict
     for path in candidates:
         if path.is_file():
             saved = read_json(path)
-            if not isinstance(saved, dict) or not isinstance(saved.get("model"), str):
+            finetuned = isinstance(saved, dict) and saved.get("recipe") == "finetune"  # its model: the init's
+            if not isinstance(saved, dict) or not (finetuned or isinstance(saved.get("model"), str)):
                 raise ValueError(f"{path}: not a pretraining train_config.json (no model preset name)")
             return saved
     raise ValueError(f"cannot find the run's {TRAIN_CONFIG} for {ckpt} (looked at {', '.join(map(str, candidates))}); "
@@ -360,6 +361,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path,
     ckpt = find_checkpoint(checkpoint)
     state = checkpoint_model_state(ckpt)
     train = run_train_config(ckpt, train_config)
+    if train.get("recipe") == "finetune":
+        from tabfm.train.finetune import checkpoint_model  # the init's model, adapters merged
+
+        model, model_cfg, transform = checkpoint_model(train, state, ckpt)
+        return ckpt, export_model(model, out_dir, export_config(model_cfg, train, preset=train["model"]), transform)
     model_cfg = run_model_config(train)
     model = TabFM(model_cfg)
     try:

@@ -128,6 +128,7 @@ class Trainer:
         seed: int | None = None,
         max_bad_steps: int = 10,
         bar: bool | None = None,
+        save_frozen: bool = True,
     ) -> None:
         self.booster, self.model, self.optimizer, self.scheduler = booster, model, optimizer, scheduler
         self.criterion, self.data = criterion, data
@@ -136,6 +137,7 @@ class Trainer:
         self.steps, self.grad_accum, self.microbatches, self.clip = steps, grad_accum, microbatches, clip
         self.pipeline = booster.plugin.layout().get("pp", 1) > 1
         self.log_every, self.ckpt_every, self.keep_last = log_every, ckpt_every, keep_last
+        self.save_frozen = save_frozen  # False: checkpoints hold what trains (the run rebuilds the frozen rest)
         self.max_minutes, self.eval_every = max_minutes, eval_every
         self.evaluators = evaluators or {}
         self.export_config = export_config
@@ -227,7 +229,7 @@ class Trainer:
         extra = {"step": self.step, "cells": self.cells, "data": state, "data_ranks": self.ranks.gather_json(state)}
         return self.booster.save_checkpoint(
             checkpoint_dir(self.ckpt_root, self.step), model=self.model, optimizer=self.optimizer,
-            lr_scheduler=self.scheduler, extra=extra, keep_last=self.keep_last,
+            lr_scheduler=self.scheduler, extra=extra, keep_last=self.keep_last, frozen=self.save_frozen,
         )
 
     # -------------------------------------------------------------- evaluation
