@@ -151,7 +151,7 @@ def test_concurrent_requests_merge_and_equal_requests_alone(client, table):
 
 def test_a_request_never_waits_behind_a_far_larger_one():
     """Lanes by size: a small job runs while a large one holds its own lane's thread."""
-    assert [lane_of(c) for c in (0, 1 << 16, 1 << 19, 1 << 30)] == [0, 1, 2, 3]
+    assert [lane_of(c) for c in (0, 1 << 13, 1 << 16, 1 << 19, 1 << 30)] == [0, 1, 2, 3, 4]
     release, ran = threading.Event(), []
 
     def runner(payloads):

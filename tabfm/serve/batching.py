@@ -41,6 +41,13 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
 
 
+def request_cost(context_rows: int, query_rows: int, columns: int, members: int, chunk_size: int) -> int:
+    """Cells the model reads for a request (its lane): context rows plus the query rows padded to
+    whole `chunk_size` passes, times the columns (target included) and the ensemble members."""
+    passes = -(-query_rows // chunk_size)
+    return (context_rows + passes * chunk_size) * columns * members
+
+
 def lane_of(cost: int, n_lanes: int = N_LANES) -> int:
     """The size class of a job that reads `cost` cells."""
     lane, bound = 0, LANE_BASE

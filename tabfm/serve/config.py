@@ -19,11 +19,13 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 PRECISIONS = ("auto", "fp32", "bf16")  # tabfm.estimators.base.PRECISIONS (tests/test_serve.py checks)
 
 # size classes of the batching lanes (tabfm.serve.batching): lane i takes requests whose cost
-# (cells the model reads: (context + query rows) x columns x ensemble members) lies in
-# [LANE_BASE * LANE_FACTOR**(i-1), LANE_BASE * LANE_FACTOR**i); the last lane takes the rest
-LANE_BASE = 1 << 16
+# (cells the model reads: (context rows + query rows padded to whole chunk_size passes) x columns
+# x ensemble members) lies in [LANE_BASE * LANE_FACTOR**(i-1), LANE_BASE * LANE_FACTOR**i); the
+# last lane takes the rest. 8k, 64k, 512k, 4M: a 50-row table, a 400-row one and a 2,000-row one
+# of 5, 20 and 40 columns land in three lanes (benchmarks/serve_load.py, BENCHMARKS.md)
+LANE_BASE = 1 << 13
 LANE_FACTOR = 8
-N_LANES = 4
+N_LANES = 5
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from typing import Any
 import pandas as pd
 
 from . import tables, wire
-from .batching import Batcher
+from .batching import Batcher, request_cost
 from .config import ServeConfig
 from .contexts import Context, ContextStore, digest
 from .errors import ApiError, invalid
 from .metrics import Metrics
-from .schemas import DEFAULT_N_ESTIMATORS, PARAMS
+from .schemas import DEFAULT_CHUNK_SIZE, DEFAULT_N_ESTIMATORS, PARAMS
 from .tasks import Runner, Work, install_warning_hook, restore_warning_hook
 
 log = logging.getLogger("tabfm.serve")
@@ -138,7 +138,7 @@ class Service:
     async def _submit(self, work: Work, group: Any, cells: int) -> Any:
         ctx = work.ctx
         members = int(ctx.params.get("n_estimators", DEFAULT_N_ESTIMATORS))
-        rows = ctx.n_rows + (len(work.query) if work.query is not None else 0)
-        cost = rows * (len(ctx.columns) + 1) * members
+        cost = request_cost(ctx.n_rows, len(work.query) if work.query is not None else 0, len(ctx.columns) + 1,
+                            members, int(ctx.params.get("chunk_size", DEFAULT_CHUNK_SIZE)))
         future = self.batcher.submit(group, cost, cells, work)
         return await asyncio.wrap_future(future)
