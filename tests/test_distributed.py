@@ -205,7 +205,7 @@ def scenario_worker(rank, world, root):
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    return run_distributed(scenario_worker, world_size=WORLD, args=(str(root),), timeout_s=120)
+    return run_distributed(scenario_worker, world_size=WORLD, args=(str(root),), timeout_s=300)
 
 
 def _get(results, name):

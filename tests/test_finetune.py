@@ -1,6 +1,7 @@
 """Fine-tuning on real tables: it improves held-out log-loss, never trains on held-out rows,
 resumes exactly, stops early, exports weights the estimators load, and fails clearly on bad input."""
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -341,6 +342,32 @@ def test_the_held_out_score_is_the_estimators_score_on_the_export(tmp_path, tabl
         assert moved - adapted  # full fine-tuning moves the encoder and heads too
     else:
         assert moved and moved <= adapted and config["finetune"]["lora"]["rank"] == lora_rank
+
+
+def test_report_scores_other_tables_before_and_after(tmp_path, table_csv, random_cf_export, capsys):
+    """--report: another table scored in context on its own held-out rows with the init and with the export;
+    the init's score equals an estimator's fitted on that table's training rows (holdout_split's)."""
+    from sklearn.metrics import log_loss
+    from tabfm import TabFMClassifier
+
+    other = tmp_path / "other.csv"
+    frame = structured_table(200, seed=3)
+    frame.to_csv(other, index=False)
+    out = tmp_path / "run"
+    code, _ = run_cli(["--data", table_csv, "--target", "y", "--out", str(out), "--preset", "smoke", "--init",
+                       random_cf_export, "--steps", "2", "--eval-every", "2", "--patience", "0", "--lr", "3e-3",
+                       "--report", str(other)], capsys)
+    assert code == 0
+    report = json.loads((out / "finetune_summary.json").read_text())["report"]
+    assert report["tables"] == ["other"] and set(report["init"]) == set(report["export"]) >= {"other/logloss"}
+    known = np.arange(len(frame))
+    train_i, hold_i = holdout_split(len(known), 0.2, 0, np.unique(frame["y"], return_inverse=True)[1],
+                                    stream=zlib.crc32(b"other"))
+    params = json.loads((out / "export" / "config.json").read_text())["finetune"]["estimator_params"]
+    clf = TabFMClassifier(model=random_cf_export, **params).fit(frame.drop(columns="y").iloc[train_i], frame["y"].iloc[train_i])
+    proba = clf.predict_proba(frame.drop(columns="y").iloc[hold_i])
+    want = log_loss(frame["y"].iloc[hold_i], np.clip(proba, 1e-15, 1), labels=clf.classes_)
+    assert report["init"]["other/logloss"] == pytest.approx(want, abs=1e-6)
 
 
 def test_cli_finetune_runs_and_resumes(tmp_path, table_csv, random_export, capsys):

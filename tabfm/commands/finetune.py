@@ -33,6 +33,7 @@ _FIELDS = {
     "eval_every": int, "patience": int, "ckpt_every": int, "keep_last": int, "log_every": int, "device": str,
     "min_rows": int, "max_rows": int, "cells_per_batch": int, "imputation": float, "categorical": str,
     "eval_estimators": int, "eval_rows": int, "replay_stream": str, "lora_rank": int, "lora_alpha": float,
+    "report": str,
 }
 _CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity"),
             "replay_stream": STREAM_PRESETS}
@@ -70,6 +71,8 @@ _HELP = {
     "lora_rank": "train low-rank adapters of rank R on the blocks' attention and MLP projections instead of every "
                  "weight (the rest frozen; merged into the weights at export; default: full fine-tuning)",
     "lora_alpha": "--lora-rank: the adapters' update is scaled by ALPHA / R (default R: by 1)",
+    "report": "other tables (a CSV, Parquet, directory or store with the same target column) scored in context "
+              "on their own held-out rows with the starting and the fine-tuned weights: forgetting, measured",
 }
 
 

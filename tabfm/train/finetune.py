@@ -74,6 +74,8 @@ class FinetuneConfig:
     holdout        share of each table's rows held out for evaluation (stratified for classification);
                    they never enter a training episode
     replay         share of batches drawn from the synthetic prior stream `replay_stream` (limits forgetting)
+    report         other tables (read as `data` is, same target) scored in context on their own held-out rows
+                   with the starting weights and with the exported ones after the run: forgetting, measured
     min_rows .. categorical   episode shapes and mix (see tabfm.data.table_episodes.EpisodeConfig)
     eval_every     steps between held-out evaluations; patience: evaluations without an improvement of
                    more than min_delta before stopping (0: never stop early)
@@ -107,6 +109,7 @@ class FinetuneConfig:
     holdout: float = 0.2
     replay: float = 0.0
     replay_stream: str = "pretrain"
+    report: str | None = None
     min_rows: int = 32
     max_rows: int = 512
     cells_per_batch: int = 16384
@@ -746,6 +749,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
             trainer.save()  # the final evaluation ran after the last checkpoint: keep its record with it
         stopped = "early_stop" if keeper.stopped else train_result.stopped
 
+    report = _forgetting_report(cfg, out / "export", model_cfg.context_features) if main and cfg.report else None
     summary = {
         "out": str(out), "init": cfg.init, "data": record["data"], "tables": _tables_info(tables),
         "step": trainer.step, "steps": cfg.steps, "stopped": stopped, "best_step": keeper.best_step,
@@ -753,6 +757,8 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         "best": {"step": keeper.best_step, **{k: _finite(v) for k, v in keeper.best.items()}},
         "export": str(out / "export"), "wall_s": time.perf_counter() - start,
     }
+    if report is not None:
+        summary["report"] = report
     if main:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     result = FinetuneResult(out, trainer.step, stopped, keeper.best_step, keeper.initial, keeper.best,
@@ -760,6 +766,18 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     if talk:
         print(result.table(), flush=True)
     return result
+
+
+def _forgetting_report(cfg: FinetuneConfig, export: Path, context_features: str) -> dict[str, Any]:
+    """`cfg.report`'s tables scored in context (their own held-out rows, as HoldoutEval scores the
+    training tables) with the starting weights and with the export: what fine-tuning cost elsewhere."""
+    from tabfm.weights import load_model
+
+    tables = load_tables(cfg.report, cfg)
+    scorer = HoldoutEval(tables, cfg, context_features)
+    return {"source": cfg.report, "tables": [t.name for t in tables],
+            "init": {k: _finite(v) for k, v in scorer(load_model(cfg.init)).items()},
+            "export": {k: _finite(v) for k, v in scorer(load_model(export)).items()}}
 
 
 # --------------------------------------------------------------------------- the summary table
@@ -785,4 +803,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         a, b = before.get(k), best.get(k)
         change = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
         lines.append(f"  {k:<{width}}{cell(a)}{cell(b)}{cell(change) if change is not None else cell(None)}")
+    report = summary.get("report")
+    if report:
+        lines += ["", f"  {'other tables (--report)':<{width}}{'init':>12}{'export':>12}{'change':>12}"]
+        for k, a in report["init"].items():
+            b = report["export"].get(k)
+            change = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
+            lines.append(f"  {k:<{width}}{cell(a)}{cell(b)}{cell(change)}")
     return "\n".join(lines)
