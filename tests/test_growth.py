@@ -46,8 +46,10 @@ def test_grown_model_computes_the_same_function(new_layers):
     # the repeats really are repeats: same inner weights, zero residual outputs
     if new_layers == 4:
         assert torch.equal(state["blocks.1.mlp.fc1.weight"], small.state_dict()["blocks.0.mlp.fc1.weight"])
-        assert all(state[f"blocks.1.{k}"].abs().sum() == 0 for k in RESIDUAL_OUTPUTS)
-        assert all(state[f"blocks.2.{k}"].abs().sum() > 0 for k in RESIDUAL_OUTPUTS)
+        outputs = [k for k in RESIDUAL_OUTPUTS if f"blocks.1.{k}" in state]  # dense: no MoE experts' w2
+        assert len(outputs) == 3
+        assert all(state[f"blocks.1.{k}"].abs().sum() == 0 for k in outputs)
+        assert all(state[f"blocks.2.{k}"].abs().sum() > 0 for k in outputs)
 
 
 def test_repeated_blocks_learn():
@@ -62,7 +64,7 @@ def test_repeated_blocks_learn():
         masked_cell_loss(deep(batch), batch)[0].backward()
         opt.step()
     after = deep.state_dict()
-    for name in (*RESIDUAL_OUTPUTS, "mlp.fc1.weight", "row_attn.qkv.weight"):
+    for name in (*RESIDUAL_OUTPUTS[:3], "mlp.fc1.weight", "row_attn.qkv.weight"):  # [:3]: dense (no MoE w2)
         assert not torch.equal(after[f"blocks.1.{name}"], before[f"blocks.1.{name}"]), name
 
 

@@ -72,3 +72,11 @@ def test_bad_adapter_settings_name_the_problem():
     add_adapters(m, LoraConfig(rank=2, targets=DEFAULT_TARGETS[:1]))
     with pytest.raises(ValueError, match="twice"):
         add_adapters(m, LoraConfig(rank=2, targets=DEFAULT_TARGETS[:1]))
+
+
+def test_default_targets_skip_the_mlps_a_mixture_of_experts_lacks():
+    m = model(moe_experts=2)
+    names = add_adapters(m, LoraConfig(rank=2))
+    assert names and not any("mlp" in n for n in names) and len(names) == 4 * SMALL["n_layers"]
+    with pytest.raises(ValueError, match="'blocks.\\*.mlp.fc1'"):
+        add_adapters(model(moe_experts=2), LoraConfig(rank=2, targets=("blocks.*.mlp.fc1",)))

@@ -35,6 +35,7 @@ _FIELDS = {
     "log_every": int, "device": str, "stream": str, "clip": float, "weight_decay": float, "init": str,
     "eval_batches": int, "data": str, "data_share": float, "data_cells_per_batch": int, "data_max_batch": int, "cells_per_token": int,
     "n_layers": int, "context_features": str, "microbatches": int, "max_bad_steps": int,
+    "moe_experts": int, "moe_top_k": int,
 }
 _CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "context_features": CONTEXT_FEATURES,
             "stream": STREAM_PRESETS}
@@ -83,6 +84,10 @@ _HELP = {
     "n_layers": "blocks of the model (default: the preset's); with --init from a model with fewer blocks, "
                 "its blocks are repeated, the repeats starting as identity (a deeper model that starts "
                 "as the trained one)",
+    "moe_experts": "mixture of experts: every block's MLP becomes E expert MLPs of the dense one's size, a "
+                   "learned router sending each token to --moe-top-k of them (default 0: dense); logs moe_aux, "
+                   "moe_z and moe_dropped. Not yet split over ranks (no expert parallelism); not with --pp",
+    "moe_top_k": "with --moe-experts: experts per token, 1..E (default 1)",
 }
 
 

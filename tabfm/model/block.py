@@ -10,6 +10,7 @@ from .config import ModelConfig
 from .cpu_kernels import build as cpu_kernels
 from .cpu_kernels import gelu as cpu_gelu
 from .cpu_kernels import rms_norm as cpu_rms_norm
+from .moe import MoEMLP
 from tabfm.parallel import kernels as triton_kernels
 
 
@@ -54,9 +55,19 @@ class MLP(nn.Module):
 
 
 class TableBlock(nn.Module):
-    """x (B, R, C, d) -> same shape. Submodules: col_attn, row_attn, mlp and their norms."""
+    """x (B, R, C, d) -> same shape. Submodules: col_attn, row_attn, mlp and their norms.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Block `layer` of a config with mixture of experts (`config.moe_layer(layer)`) has a `MoEMLP`
+    for `mlp`. It routes every token, padding cells and rows included: the block's inputs carry no
+    token mask (col_mask marks padded columns only, as keys; padded rows are not marked at all) and
+    its signature is what engine plans, pipeline stages and activation checkpointing call, so a
+    mask would have to be threaded through all of them, or smuggled in as module state. Routing
+    padding is harmless where it matters: padded tokens' outputs are never read, and in eval mode
+    a token's MoE output depends on that token alone. In training, padded tokens (rare: tables of a
+    bucket share their shape) take capacity and count in the routing statistics.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         d = config.d_model
         self.norm_col = BlockNorm(d, eps=config.norm_eps)
@@ -64,7 +75,11 @@ class TableBlock(nn.Module):
         self.norm_row = BlockNorm(d, eps=config.norm_eps)
         self.row_attn = RowAttention(d, config.n_heads, config.dropout)
         self.norm_mlp = BlockNorm(d, eps=config.norm_eps)
-        self.mlp = MLP(d, config.mlp_hidden)
+        if config.moe_layer(layer):
+            self.mlp: MLP | MoEMLP = MoEMLP(d, config.mlp_hidden, config.moe_experts, config.moe_top_k,
+                                            config.moe_capacity_factor)
+        else:
+            self.mlp = MLP(d, config.mlp_hidden)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(

@@ -14,6 +14,7 @@ field may be raised at inference time without retraining.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -52,6 +53,19 @@ class ModelConfig:
                             follows the columns' identity vectors (content-derived in eval mode,
                             so predictions still do not depend on column order; random per step
                             in training). 1 = one token per cell.
+    moe_experts             E: 0 (default) = every block's MLP is dense; E >= 1 = the MLPs of the
+                            blocks `moe_layer` names are mixtures of E expert MLPs of the dense
+                            one's size (tabfm/model/moe.py), so parameters grow ~E-fold there while
+                            each token's compute grows only k-fold.
+    moe_top_k               k: experts per token (1 <= k <= E; 1 when dense). Token-choice top-k:
+                            k >= 2 gates renormalised to sum to 1, k = 1 the router probability.
+    moe_every               n: blocks i with (i + 1) % n == 0 are MoE (1: all, 2: every second);
+                            n <= n_layers, so that at least one is.
+    moe_capacity_factor     in training an expert takes ceil(factor * tokens * k / E) token
+                            assignments; the rest are dropped (the residual carries them).
+                            Eval mode drops none.
+    moe_aux_weight          weight of the load-balancing loss (Switch / GShard) in masked_cell_loss.
+    moe_z_weight            weight of the router z-loss (ST-MoE) in masked_cell_loss.
     """
 
     d_model: int = 96
@@ -68,6 +82,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     cells_per_token: int = 1
     context_features: str = "none"
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_every: int = 1
+    moe_capacity_factor: float = 1.25
+    moe_aux_weight: float = 0.01
+    moe_z_weight: float = 0.001
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +101,10 @@ class ModelConfig:
     def mlp_hidden(self) -> int:
         return int(self.d_model * self.mlp_ratio)
 
+    def moe_layer(self, i: int) -> bool:
+        """Whether block i's MLP is a mixture of experts."""
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
     # --------------------------------------------------------------- validation
     def validate(self) -> "ModelConfig":
         def need(ok: bool, field_name: str, what: str) -> None:
@@ -88,7 +112,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{field_name} = {getattr(self, field_name)!r}: {what}")
 
         for name in ("d_model", "n_layers", "n_heads", "max_categories", "n_bins", "id_dim", "n_thinking_rows",
-                     "cells_per_token"):
+                     "cells_per_token", "moe_experts", "moe_top_k", "moe_every"):
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool), name, "must be an int")
         need(self.d_model >= 1, "d_model", "must be >= 1")
@@ -107,6 +131,21 @@ class ModelConfig:
         need(self.norm_eps > 0, "norm_eps", "must be > 0")
         need(self.context_features in CONTEXT_FEATURES, "context_features",
              f"must be one of {', '.join(CONTEXT_FEATURES)}")
+        need(self.moe_experts >= 0, "moe_experts", "must be >= 0 (0: dense MLPs)")
+        need(self.moe_top_k >= 1, "moe_top_k", "must be >= 1")
+        need(self.moe_top_k <= max(self.moe_experts, 1), "moe_top_k",
+             f"must be <= moe_experts = {self.moe_experts}" + (" (a dense model routes nothing; set moe_experts)"
+                                                               if self.moe_experts == 0 else ""))
+        need(self.moe_every >= 1, "moe_every", "must be >= 1")
+        need(self.moe_experts == 0 or self.moe_every <= self.n_layers, "moe_every",
+             f"must be <= n_layers = {self.n_layers}, or no block would be a mixture of experts")
+        for name in ("moe_capacity_factor", "moe_aux_weight", "moe_z_weight"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+                 "must be a finite number")
+        need(self.moe_capacity_factor > 0, "moe_capacity_factor", "must be > 0")
+        need(self.moe_aux_weight >= 0, "moe_aux_weight", "must be >= 0")
+        need(self.moe_z_weight >= 0, "moe_z_weight", "must be >= 0")
         return self
 
     # ------------------------------------------------------------------ presets

@@ -70,15 +70,21 @@ class LowRankUpdate(nn.Module):
 
 
 def adapter_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
-    """Names of the nn.Linear modules the patterns select; ValueError naming a pattern that selects none."""
+    """Names of the nn.Linear modules the patterns select; ValueError naming a pattern that selects none
+    (of the default patterns, only if none selects anything: a mixture-of-experts block has no fc1/fc2)."""
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     chosen = []
+    lenient = tuple(targets) == DEFAULT_TARGETS
     for pattern in targets:
         hit = [n for n in linears if fnmatch.fnmatchcase(n, pattern)]
+        if not hit and lenient:
+            continue
         if not hit:
             raise ValueError(f"LoRA target {pattern!r} matches no linear layer of the model "
                              f"(e.g. {', '.join(linears[:6])}, ...)")
         chosen += [n for n in hit if n not in chosen]
+    if not chosen:
+        raise ValueError(f"LoRA targets {list(targets)} match no linear layer of the model")
     return chosen
 
 

@@ -22,6 +22,11 @@ def masked_cell_loss(output: ModelOutput, batch: TableBatch) -> tuple[torch.Tens
     Usable as a Booster criterion: `loss, metrics = criterion(output, batch)`.
     Metrics: loss, cat_nll, num_nll (means over their cells; NaN if none), cat_acc, cells,
     cat_cells, num_cells.
+
+    A mixture-of-experts model's output carries its routing losses (`output.moe`, with the
+    config's weights); the loss then adds moe_aux_weight * aux + moe_z_weight * z, `loss` reports
+    that sum (cat_nll and num_nll stay the cells' NLL), and the metrics gain moe_aux, moe_z and
+    moe_dropped (the fraction of token assignments dropped for capacity).
     """
     bi, ri, ci = output.index.unbind(1)
     target = batch.x[bi, ri, ci]
@@ -54,4 +59,9 @@ def masked_cell_loss(output: ModelOutput, batch: TableBatch) -> tuple[torch.Tens
         "cat_cells": float(n_cat),
         "num_cells": float(n_num),
     }
+    moe = output.moe
+    if moe is not None:
+        loss = loss + moe.penalty().to(loss.dtype)
+        metrics.update(loss=float(loss.detach()), moe_aux=float(moe.aux.detach()), moe_z=float(moe.z.detach()),
+                       moe_dropped=moe.dropped_fraction)
     return loss, metrics

@@ -25,8 +25,9 @@ onnxruntime >= 1.17 runs) lacks, the graph (`ExportableTabFM`) computes the same
 
 Exporter: torch's dynamo exporter (`torch.onnx.export(..., dynamo=True, dynamic_shapes=...)`),
 which expresses all five dimensions as symbols; the TorchScript exporter is deprecated and
-would need the same rewrites. `cells_per_token` > 1 is not exported. onnx, onnxruntime and
-onnxscript are imported only when used (`pip install "tabfm[onnx]"`).
+would need the same rewrites. `cells_per_token` > 1 and mixture-of-experts models (their routing's
+shapes depend on the data) are not exported. onnx, onnxruntime and onnxscript are imported only
+when used (`pip install "tabfm[onnx]"`).
 """
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ class ExportableTabFM(nn.Module):
         cfg = model.config
         if cfg.cells_per_token != 1:
             raise ValueError(f"ONNX export takes models with cells_per_token = 1 (this one has {cfg.cells_per_token})")
+        if cfg.moe_experts:
+            raise ValueError(f"ONNX export takes dense models; this one has mixture-of-experts MLPs (moe_experts = "
+                             f"{cfg.moe_experts}), whose routing has data-dependent shapes the graph cannot express")
         if max_codes < cfg.max_categories:
             raise ValueError(f"max_codes = {max_codes} must be >= the model's max_categories = {cfg.max_categories}")
         self.model = model

@@ -26,6 +26,7 @@ from .config import ModelConfig
 from .encoder import CellEncoder, ColumnFacts
 from .grouping import CellGrouper
 from .heads import BarDistribution, CategoricalHead, NumericHead
+from .moe import MoEMLP, MoEStats
 
 
 @dataclass
@@ -41,6 +42,12 @@ class ModelOutput:
     kind         int8 (N,)         1 numeric, 2 categorical
     cardinality  long (N,)         categories of the cell's column (0 for numeric)
     bar          BarDistribution   the bins behind num_logits
+
+    moe          MoEStats or None  a mixture-of-experts model's routing statistics of this forward
+                                   (aux and z losses averaged over its MoE blocks, counts summed,
+                                   the config's weights of the losses); None for dense models.
+                                   An attribute, not a dataclass field: pipeline stages ship the
+                                   fields as one positional tuple of tensors.
     """
 
     index: torch.Tensor
@@ -51,6 +58,9 @@ class ModelOutput:
     kind: torch.Tensor
     cardinality: torch.Tensor
     bar: BarDistribution
+
+    def __post_init__(self) -> None:
+        self.moe: MoEStats | None = None
 
     def __len__(self) -> int:
         return int(self.index.shape[0])
@@ -129,7 +139,7 @@ class TabFM(nn.Module):
         self.config = config
         self.encoder = CellEncoder(config)
         self.grouper = CellGrouper(config.d_model, config.cells_per_token) if config.cells_per_token > 1 else None
-        self.blocks = nn.ModuleList(TableBlock(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(TableBlock(config, i) for i in range(config.n_layers))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.num_head = NumericHead(config.d_model, config.n_bins, config.bin_range)
         self.cat_head = CategoricalHead(config.d_model, config.id_dim)
@@ -140,8 +150,9 @@ class TabFM(nn.Module):
         factor = (2 * self.config.n_layers) ** -0.5
         with torch.no_grad():
             for block in self.blocks:
-                for lin in (block.col_attn.out, block.row_attn.out, block.mlp.fc2):
-                    lin.weight.mul_(factor)
+                mlp_out = block.mlp.w2 if isinstance(block.mlp, MoEMLP) else block.mlp.fc2.weight
+                for weight in (block.col_attn.out.weight, block.row_attn.out.weight, mlp_out):
+                    weight.mul_(factor)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
@@ -160,7 +171,20 @@ class TabFM(nn.Module):
         col_mask, n_keys, kv_mask = _attention_masks(batch, t, col_valid)
         for block in self.blocks:
             x = block(x, col_mask, n_keys, kv_mask)
-        return self._heads(self._query_states(x, bi, ri + t, ci, slots), index, batch, facts)
+        out = self._heads(self._query_states(x, bi, ri + t, ci, slots), index, batch, facts)
+        out.moe = self._take_moe_stats()
+        return out
+
+    def _take_moe_stats(self) -> MoEStats | None:
+        """The MoE blocks' routing statistics of the forward just run, combined (None: a dense model);
+        the blocks let go of theirs, so no module keeps this forward's graph alive."""
+        moe = [b.mlp for b in self.blocks if isinstance(b.mlp, MoEMLP)]
+        if not moe:
+            return None
+        stats = MoEStats.combine([m.stats for m in moe], self.config.moe_aux_weight, self.config.moe_z_weight)
+        for m in moe:
+            m.stats = None
+        return stats
 
     def _tokens(self, x: torch.Tensor, batch: TableBatch, facts: ColumnFacts
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -240,10 +264,16 @@ class TabFM(nn.Module):
         return self._heads(self._query_states(x, index[:, 0], index[:, 1], index[:, 2], slots), index, batch, cache.facts)
 
     def parallel_plan(self) -> ParallelPlan:
-        """How the engine may split this model (see parallel/plan.py; pipeline stages: .pipeline)."""
+        """How the engine may split this model (see parallel/plan.py; pipeline stages: .pipeline).
+
+        Mixture-of-experts MLPs are not tensor-parallel (their experts stay whole on every tp rank:
+        expert parallelism is the axis that will split them), and a model with them declares no
+        pipeline: the stages would not carry the routing losses to the criterion."""
         from .pipeline import pipeline_plan  # imports this module
 
         n = self.config.n_layers
+        moe = any(self.config.moe_layer(i) for i in range(n))
+        dense_mlps = not all(self.config.moe_layer(i) for i in range(n))
         return ParallelPlan(
             blocks=[f"blocks.{i}" for i in range(n)],
             tp_plan={
@@ -251,12 +281,11 @@ class TabFM(nn.Module):
                 "blocks.*.col_attn.out": "rowwise",
                 "blocks.*.row_attn.qkv": "colwise",
                 "blocks.*.row_attn.out": "rowwise",
-                "blocks.*.mlp.fc1": "colwise",
-                "blocks.*.mlp.fc2": "rowwise",
+                **({"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"} if dense_mlps else {}),
             },
             row_attention=[f"blocks.{i}.row_attn.keys" for i in range(n)],
             shared_row_keys=self.config.n_thinking_rows,  # the thinking rows lead every rank's keys
             row_statistics=["encoder.stats"],
             num_heads=self.config.n_heads,
-            pipeline=pipeline_plan(self),
+            pipeline=None if moe else pipeline_plan(self),
         )

@@ -25,6 +25,9 @@ class PretrainConfig:
     n_layers       blocks of the run's model (None: the preset's). With `init` from a model with
                    fewer blocks, its blocks are repeated, the repeats starting as identity
                    (tabfm.model.growth): the deeper model starts as the trained function
+    moe_experts, moe_top_k  ModelConfig.moe_experts / moe_top_k of the run's model: 0 (default) =
+                   dense MLPs; E >= 1 = mixture-of-experts MLPs of E experts, k per token (the other
+                   moe_* fields at the ModelConfig defaults)
     stream         StreamConfig preset name of the synthetic stream (with `data`: of the held-out
                    synthetic evaluation only)
     data           a table store directory (tabfm.data.store.write_table, `tabfm synth --out`): when set,
@@ -91,6 +94,8 @@ class PretrainConfig:
     model: str = "tiny"
     cells_per_token: int = 1
     n_layers: int | None = None
+    moe_experts: int = 0
+    moe_top_k: int = 1
     context_features: str = "none"
     stream: str = "pretrain"
     data: str | None = None
@@ -219,6 +224,12 @@ class PretrainConfig:
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         need(self.n_layers is None or (isinstance(self.n_layers, int) and self.n_layers >= 1), "n_layers",
              "must be None (the preset's) or an integer >= 1")
+        need(isinstance(self.moe_experts, int) and not isinstance(self.moe_experts, bool) and self.moe_experts >= 0,
+             "moe_experts", "must be an integer >= 0 (0: dense MLPs)")
+        need(isinstance(self.moe_top_k, int) and not isinstance(self.moe_top_k, bool)
+             and 1 <= self.moe_top_k <= max(self.moe_experts, 1), "moe_top_k",
+             f"must be an integer in [1, moe_experts = {self.moe_experts}]" if self.moe_experts else
+             "--moe-top-k needs --moe-experts E (a dense model routes nothing)")
         for name in ("warmup_steps", "eval_batches", "seed", "workers"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
@@ -282,9 +293,11 @@ def resolve_precision(precision: str, device: "torch.device | str") -> str:
 
 
 def run_model_config(train: "PretrainConfig | dict[str, Any]") -> ModelConfig:
-    """The ModelConfig a run trains: its preset with the run's cells_per_token and n_layers
-    (`train` may be the dict a run saved in train_config.json, older ones lacking those keys)."""
+    """The ModelConfig a run trains: its preset with the run's cells_per_token, n_layers and
+    moe_experts / moe_top_k (`train` may be the dict a run saved in train_config.json, older ones
+    lacking those keys)."""
     t = train.to_dict() if isinstance(train, PretrainConfig) else train
     extra = {"n_layers": t["n_layers"]} if t.get("n_layers") is not None else {}
     return ModelConfig.preset(t["model"], cells_per_token=t.get("cells_per_token", 1),
-                              context_features=t.get("context_features", "none"), **extra)
+                              context_features=t.get("context_features", "none"),
+                              moe_experts=t.get("moe_experts", 0), moe_top_k=t.get("moe_top_k", 1), **extra)

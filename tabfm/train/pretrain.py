@@ -115,9 +115,10 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
         saved = read_json(saved_path)
-        defaults = {"cells_per_token": 1, "context_features": "none", "microbatches": 1}
+        defaults = {"cells_per_token": 1, "context_features": "none", "microbatches": 1, "moe_experts": 0,
+                    "moe_top_k": 1}
         for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer", "context_features",
-                    "microbatches"):
+                    "microbatches", "moe_experts", "moe_top_k"):
             if saved.get(key, defaults.get(key)) != getattr(cfg, key):
                 raise ValueError(
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
