@@ -1,0 +1,304 @@
+"""Fine-tuning vs in-context prediction on the public classification suite (issue #24).
+
+    nice -n 10 python benchmarks/finetune_vs_context.py --quick                 # one tiny table, seconds of training
+    nice -n 10 python benchmarks/finetune_vs_context.py --minutes 1.5 --lora-ranks 8
+    nice -n 10 python benchmarks/finetune_vs_context.py --tables german,australian --lora-ranks 4,8,16
+
+For each table: the first fold of the public protocol's split (`tabfm.eval.protocols.classification_splits`,
+stratified 5-fold, seed 0, as `tabfm eval` runs it) gives train and test rows. On the TEST rows,
+every variant is scored by `TabFMClassifier(model=..., **estimator_params)` fitted on the train rows,
+with the same estimator parameters (`HoldoutEval.params_for`, the ones fine-tuning scores its
+held-out rows with and records in OUT/export/config.json; checked equal after every run), and the
+protocol's metrics (`tabfm.eval.metrics.classification_metrics`: ROC-AUC, accuracy, log-loss):
+
+    in-context   the init's weights, no weight update
+    full         `finetune()` on the train rows only (its own stratified holdout of them picks the best
+                 step), every parameter trained, a fixed wall budget --minutes per run
+    lora-R       the same with low-rank adapters of rank R (merged into the export)
+
+Fine-tuning runs with steps=--steps (default 100000: the budget binds, so the cosine schedule is
+effectively flat at lr after warm-up), threads=1, and two settings scaled to a budget of tens of
+steps (a step of the default 16k-cell episodes takes ~2.5 s on one shared CPU thread): held-out
+evaluation every --eval-every 10 steps (FinetuneConfig: 25) and --warmup-steps 5 (FinetuneConfig: 20);
+the FinetuneConfig defaults otherwise (lr 1e-4 for full and LoRA unless --lora-lr, patience 4: a
+run can stop early; its evaluations count in its budget). Per run it records wall time, steps done, the stop
+reason, the best step, trainable parameters (counted on the model, adapters only for LoRA),
+AdamW optimizer state bytes (computed: 2 fp32 tensors, exp_avg and exp_avg_sq, per trainable
+parameter; the step counters not counted), and forgetting: the export's in-context ROC-AUC on
+--forgetting-tables (other tables of the suite, their first-fold split too) against the init's.
+
+Prints one markdown table per metric (rows = tables, columns = variants), a cost table and a summary
+line, and writes JSON (default benchmarks/results/finetune_vs_context.json; --quick:
+finetune_vs_context_quick.json). Fine-tuning runs live under --work (default runs/finetune_vs_context,
+git-ignored), restarted on every invocation. Single-threaded by design: the machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before numpy / sklearn load their thread pools
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common import machine_info  # noqa: E402
+from tabfm.eval.metrics import classification_metrics  # noqa: E402
+from tabfm.eval.protocols import _proba_in_code_order, classification_splits  # noqa: E402
+from tabfm.eval.suites import default_public_dir, load_suite  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_TABLES = "australian,german,anes96,titanic_survival"
+DEFAULT_FORGETTING = "pbc,breast_cancer"
+QUICK_TABLE = "wine"
+METRICS = ("roc_auc", "log_loss", "accuracy")
+HIGHER = {"roc_auc": True, "log_loss": False, "accuracy": True}
+ADAMW_STATE_TENSORS = 2  # exp_avg, exp_avg_sq per parameter
+FP32_BYTES = 4
+
+
+# --------------------------------------------------------------------------- data: the suite's own loader and split
+
+def first_fold(ds):
+    """(X_train, y_train, X_test, y_test, K): the first fold of the public classification protocol."""
+    X = ds.X
+    y = ds.frame[ds.target].cat.codes.to_numpy().astype(np.int64)
+    K = len(ds.frame[ds.target].cat.categories)
+    tr, te = classification_splits(y)[0]
+    return (X.iloc[tr].reset_index(drop=True), y[tr], X.iloc[te].reset_index(drop=True), y[te], K, tr, te)
+
+
+def score(model, params: dict, split) -> dict:
+    """The protocol's metrics of TabFMClassifier(model, **params) fitted on the train rows, on the test rows."""
+    from tabfm.estimators import TabFMClassifier
+
+    Xtr, ytr, Xte, yte, K = split[:5]
+    t0 = time.perf_counter()
+    est = TabFMClassifier(model=model, progress=False, **params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        est.fit(Xtr, ytr)
+        P = _proba_in_code_order(est, est.predict_proba(Xte), K)
+    return {**classification_metrics(yte, P, K), "seconds": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------- cost of a variant
+
+def trainable_parameters(init: str, lora_rank: int | None, lora_alpha: float | None) -> dict:
+    """Trainable / total parameters of the model fine-tuning trains (adapters only with LoRA),
+    counted on the model itself, and the AdamW state bytes that follow from them."""
+    from tabfm.model import TabFM
+    from tabfm.model.lora import LoraConfig, add_adapters
+    from tabfm.weights import load_model
+
+    model = TabFM(load_model(init).config)  # a fresh copy: load_model's module is shared, never modify it
+    if lora_rank is not None:
+        add_adapters(model, LoraConfig(lora_rank, lora_alpha))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable_params": int(trainable), "total_params": int(total),
+            "optimizer_state_bytes": int(ADAMW_STATE_TENSORS * FP32_BYTES * trainable)}
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+def run(args) -> dict:
+    from tabfm.train.finetune import FinetuneConfig, HoldoutEval, finetune
+    from tabfm.weights import load_model
+
+    torch.set_num_threads(1)
+    suite_dir = Path(args.suite_dir) if args.suite_dir else default_public_dir()
+    tables = [t for t in args.tables.split(",") if t]
+    forgetting = [t for t in args.forgetting_tables.split(",") if t]
+    ranks = [int(r) for r in args.lora_ranks.split(",") if r] if args.lora_ranks else []
+    datasets = {d.name: d for d in load_suite(suite_dir, "classification", sorted(set(tables) | set(forgetting)))}
+    splits = {name: first_fold(ds) for name, ds in datasets.items()}
+
+    base_cfg = FinetuneConfig(init=args.init, task="classification", steps=args.steps, max_minutes=args.minutes,
+                              threads=1, seed=args.seed, lr=args.lr, eval_every=args.eval_every,
+                              warmup_steps=args.warmup_steps, patience=args.patience)
+    init_features = load_model(args.init).config.context_features
+    params = HoldoutEval.params_for(base_cfg, init_features)  # what fine-tuning scores and exports with
+    variants = ["in-context", "full"] + [f"lora-{r}" for r in ranks]
+    print(f"init {args.init} (context features {init_features}); estimator parameters {params}", flush=True)
+    print(f"tables {tables}; forgetting tables {forgetting}; variants {variants}; budget {args.minutes} min per run",
+          flush=True)
+
+    t_start = time.perf_counter()
+    init_forget = {}
+    for f in forgetting:
+        init_forget[f] = score(args.init, params, splits[f])
+        print(f"  init in context on {f}: ROC-AUC {init_forget[f]['roc_auc']:.4f} ({init_forget[f]['seconds']:.0f} s)",
+              flush=True)
+
+    results: dict = {}
+    for name in tables:
+        ds, split = datasets[name], splits[name]
+        Xtr, ytr, Xte, yte, K, tr, te = split
+        info = {"rows": int(len(ds.frame)), "features": int(len(ds.features)), "classes": int(K),
+                "train_rows": int(len(tr)), "test_rows": int(len(te))}
+        row = {"info": info, "variants": {}}
+        results[name] = row
+        print(f"\n{name}: {info}", flush=True)
+        s = score(args.init, params, split)
+        row["variants"]["in-context"] = {"test": s, "cost": {"wall_s": s["seconds"], "steps": 0,
+                                                              **trainable_parameters(args.init, None, None),
+                                                              "trainable_params": 0, "optimizer_state_bytes": 0}}
+        print(f"  in-context: ROC-AUC {s['roc_auc']:.4f} log-loss {s['log_loss']:.4f} acc {s['accuracy']:.4f} "
+              f"({s['seconds']:.0f} s)", flush=True)
+        train_frame = ds.frame.iloc[tr].reset_index(drop=True)  # features + target, train rows only
+        for variant in variants[1:]:
+            rank = None if variant == "full" else int(variant.split("-")[1])
+            lr = args.lr if rank is None or args.lora_lr is None else args.lora_lr
+            cfg = base_cfg.replace(target=ds.target, lora_rank=rank, lora_alpha=None, lr=lr)
+            out = Path(args.work) / f"seed{args.seed}" / name / variant
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                res = finetune(cfg, out, data=train_frame, progress=False, restart=True)
+            ft_wall = time.perf_counter() - t0
+            export = res.export
+            recorded = json.loads((export / "config.json").read_text())["finetune"]
+            if recorded["estimator_params"] != params:
+                print(f"  WARNING {variant}: export records estimator parameters {recorded['estimator_params']}, "
+                      f"scored here with {params}", flush=True)
+            s = score(str(export), recorded["estimator_params"], split)
+            forget = {}
+            for f in forgetting:
+                if f == name:
+                    continue
+                fs = score(str(export), recorded["estimator_params"], splits[f])
+                forget[f] = {"roc_auc": fs["roc_auc"], "init_roc_auc": init_forget[f]["roc_auc"],
+                             "delta": fs["roc_auc"] - init_forget[f]["roc_auc"], "seconds": fs["seconds"]}
+            cost = {"lr": lr, "wall_s": ft_wall, "finetune_wall_s": res.wall_s, "steps": res.step, "stopped": res.stopped,
+                    "best_step": res.best_step, **trainable_parameters(args.init, rank, None),
+                    "holdout_before": res.initial.get("score"), "holdout_best": res.best.get("score"),
+                    "export_step": recorded.get("step")}
+            row["variants"][variant] = {"test": s, "cost": cost, "forgetting": forget,
+                                        "estimator_params": recorded["estimator_params"]}
+            fdelta = " ".join(f"{f} {v['delta']:+.4f}" for f, v in forget.items())
+            print(f"  {variant}: ROC-AUC {s['roc_auc']:.4f} log-loss {s['log_loss']:.4f} acc {s['accuracy']:.4f}; "
+                  f"{res.step} steps ({res.stopped}), best step {res.best_step}, {ft_wall / 60:.1f} min; "
+                  f"forgetting ΔAUC {fdelta}", flush=True)
+
+    record = {
+        "benchmark": "finetune_vs_context", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "suite_dir": str(suite_dir), "split": "classification_splits(y)[0]: StratifiedKFold(5, shuffle, seed 0), fold 0",
+        "init": args.init, "init_context_features": init_features, "estimator_params": params,
+        "minutes_per_run": args.minutes, "steps_cap": args.steps, "lr": args.lr, "lora_lr": args.lora_lr or args.lr,
+        "seed": args.seed,
+        "finetune_config": base_cfg.to_dict(), "variants": variants, "tables": tables,
+        "forgetting_tables": forgetting, "init_forgetting": init_forget,
+        "optimizer_state_note": "computed, not measured: AdamW keeps 2 fp32 tensors (exp_avg, exp_avg_sq) per "
+                                "trainable parameter; 8 bytes x trainable parameters",
+        "results": results, "total_wall_s": time.perf_counter() - t_start,
+    }
+    return record
+
+
+# --------------------------------------------------------------------------- report
+
+def _fmt(v, digits: int = 4) -> str:
+    return "–" if v is None or (isinstance(v, float) and not np.isfinite(v)) else f"{v:.{digits}f}"
+
+
+def report(record: dict) -> str:
+    variants, results = record["variants"], record["results"]
+    lines = []
+    for metric in METRICS:
+        arrow = "higher is better" if HIGHER[metric] else "lower is better"
+        lines += [f"\n{metric} on the test rows ({arrow})\n", "| table | " + " | ".join(variants) + " |",
+                  "|---|" + "---:|" * len(variants)]
+        for name, row in results.items():
+            vals = [row["variants"][v]["test"][metric] for v in variants]
+            best = (max if HIGHER[metric] else min)(vals)
+            cells = [f"**{_fmt(x)}**" if x == best else _fmt(x) for x in vals]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        means = [float(np.mean([row["variants"][v]["test"][metric] for row in results.values()])) for v in variants]
+        lines.append("| mean | " + " | ".join(_fmt(m) for m in means) + " |")
+
+    forget = record["forgetting_tables"]
+    lines += ["\ncost per run and forgetting (ΔROC-AUC of the export in context on the other tables vs the init's)\n",
+              "| table | variant | wall min | steps | stopped | best step | trainable params | AdamW state | "
+              + " | ".join(f"Δ {f}" for f in forget) + " |",
+              "|---|---|---:|---:|---|---:|---:|---:|" + "---:|" * len(forget)]
+    for name, row in results.items():
+        for v in variants[1:]:
+            c, fg = row["variants"][v]["cost"], row["variants"][v]["forgetting"]
+            lines.append(f"| {name} | {v} | {c['wall_s'] / 60:.1f} | {c['steps']} | {c['stopped']} | {c['best_step']} | "
+                         f"{c['trainable_params']:,} | {c['optimizer_state_bytes'] / 2**20:.2f} MiB | "
+                         + " | ".join(_fmt(fg[f]["delta"], 4) if f in fg else "–" for f in forget) + " |")
+    init_f = ", ".join(f"{f} {record['init_forgetting'][f]['roc_auc']:.4f}" for f in forget)
+    lines.append(f"\ninit in context on the forgetting tables: {init_f}")
+
+    means = {v: float(np.mean([row["variants"][v]["test"]["roc_auc"] for row in results.values()])) for v in variants}
+    summary = "summary: mean ROC-AUC " + ", ".join(f"{v} {means[v]:.4f}" for v in variants)
+    wins = []
+    for v in variants[1:]:
+        w = t = lo = 0
+        for row in results.values():
+            a, b = row["variants"][v]["test"]["roc_auc"], row["variants"]["in-context"]["test"]["roc_auc"]
+            w, t, lo = w + (a > b), t + (a == b), lo + (a < b)
+        kept = sum(row["variants"][v]["cost"]["best_step"] == 0 for row in results.values())
+        wins.append(f"{v} {w}/{t}/{lo} (best step 0, the init exported: {kept}/{len(results)})")
+    summary += "; ROC-AUC wins/ties/losses of fine-tuned over in-context: " + ", ".join(wins)
+    summary += f"; total wall {record['total_wall_s'] / 60:.1f} min"
+    lines.append(summary)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", default=None, help=f"comma list of classification tables (default {DEFAULT_TABLES})")
+    ap.add_argument("--forgetting-tables", default=DEFAULT_FORGETTING,
+                    help=f"other tables the exports are scored on in context (default {DEFAULT_FORGETTING})")
+    ap.add_argument("--minutes", type=float, default=None, help="wall budget per fine-tuning run (default 1.5; --quick 0.3)")
+    ap.add_argument("--steps", type=int, default=100_000, help="step cap (large: the budget binds)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="fine-tuning learning rate (FinetuneConfig default)")
+    ap.add_argument("--lora-lr", type=float, default=None, help="learning rate of the LoRA runs (default: --lr)")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluations every N steps (FinetuneConfig: 25)")
+    ap.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps (FinetuneConfig: 20)")
+    ap.add_argument("--patience", type=int, default=4, help="evaluations without improvement before stopping")
+    ap.add_argument("--lora-ranks", default="8", help="comma list of LoRA ranks ('' for none); the issue: 4,8,16")
+    ap.add_argument("--init", default="tabfm-tiny-cf", help="starting weights (shipped name or export directory)")
+    ap.add_argument("--seed", type=int, default=0, help="fine-tuning seed (its holdout split, episodes) and the "
+                                                         "estimators' random_state")
+    ap.add_argument("--suite-dir", default=None, help="public suites directory (default ~/.cache/tabfm/public_suites)")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "finetune_vs_context"), help="fine-tuning run directories")
+    ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/finetune_vs_context.json)")
+    ap.add_argument("--quick", action="store_true", help=f"smoke check: {QUICK_TABLE} only, 0.3 min per run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tables = args.tables or QUICK_TABLE
+        args.minutes = args.minutes or 0.3
+    args.tables = args.tables or DEFAULT_TABLES
+    args.minutes = args.minutes or 1.5
+    overlap = set(args.tables.split(",")) & set(args.forgetting_tables.split(","))
+    if overlap:
+        print(f"note: {sorted(overlap)} are both fine-tuned and forgetting tables; a table's own forgetting "
+              "score is skipped", flush=True)
+    path = Path(args.json) if args.json else RESULTS / ("finetune_vs_context_quick.json" if args.quick
+                                                        else "finetune_vs_context.json")
+    record = run(args)
+    text = report(record)
+    record["report"] = text
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=float))
+    print(text)
+    print(f"\nwrote {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
