@@ -26,7 +26,6 @@ fp32 at small shapes: the correctness table only, nothing is timed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -61,14 +60,6 @@ sys.path.insert(0, str(ROOT))
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss  # noqa: E402
 from tabfm.parallel import kernels as tk  # noqa: E402
 from tabfm.parallel.kernels import dispatch  # noqa: E402
-
-
-def _model_speed():
-    spec = importlib.util.spec_from_file_location("model_speed", ROOT / "benchmarks" / "model_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["model_speed"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ------------------------------------------------------------------------------ the cases
@@ -194,7 +185,7 @@ def matmul_peak_tflops(n: int = 8192) -> float:
 def train_steps(presets, quick: bool, log) -> dict:
     import triton.testing
 
-    ms_mod = _model_speed()
+    import model_speed as ms_mod  # a sibling script: benchmarks/ is on sys.path when this one runs
     shape = ms_mod.QUICK_TRAIN_SHAPE if quick else ms_mod.TRAIN_SHAPE
     batch = ms_mod.make_batch(shape).to("cuda")
     cells = shape.tables * shape.rows * shape.cols

@@ -340,25 +340,25 @@ class ShardedCheckpointIO(CheckpointIO):
         module = unwrap_model(model) if model is not None else None
         optim = _inner_optimizer(optimizer) if optimizer is not None else None
 
-        def plan() -> tuple[tuple[dict, dict | None, dict | None], None]:
+        def plan() -> tuple[tuple[dict, dict | None, dict | None, bool], None]:
             manifest = read_manifest(path)
             if manifest.get("checkpoint_io") != self.name:
                 raise ValueError(f"{path} was written by checkpoint IO {manifest.get('checkpoint_io')!r}; "
                                  f"{type(self).__name__} reads only {self.name!r} checkpoints")
             saved = read_dcp_metadata(path / DCP_DIR) if module is not None else {}
             targets: dict[str, torch.Tensor] = {}
-            if module is not None and not manifest.get("frozen", True):  # trainable parameters only
+            frozen = manifest.get("frozen", True)  # False: trainable parameters only
+            if module is not None and not frozen:
                 check_frozen_left_out(module, {k[len(_MODEL):] for k in saved if k.startswith(_MODEL)}, path)
-            msd = self._model_targets(module, saved, strict and manifest.get("frozen", True), targets, path) \
-                if module is not None else None
+            msd = self._model_targets(module, saved, strict and frozen, targets, path) if module is not None else None
             opt = self._optimizer_targets(module, optim, saved, targets, path) if optim is not None else None
-            return (targets, msd, opt), None
+            return (targets, msd, opt, frozen), None
 
-        (targets, msd, opt), _ = self._everywhere(plan, f"prepare loading {path}")
+        (targets, msd, opt, frozen), _ = self._everywhere(plan, f"prepare loading {path}")
         if module is not None:
             _dcp_load(targets, path / DCP_DIR, self.group)
         if msd is not None:
-            self._set_model_state(module, msd, strict and read_manifest(path).get("frozen", True))
+            self._set_model_state(module, msd, strict and frozen)
         if opt is not None:
             self._set_optimizer_state(module, optim, opt, targets)
             scaler = getattr(optimizer, "scaler", None)
