@@ -3,8 +3,9 @@
     mesh = build_mesh(world_size, dp_replicate=1, dp_shard=-1, tp=2)   # dp_shard inferred
     mesh["tp"], mesh["dp_shard"], ...
 
-Dimension order (outer to inner) follows torchtitan: pp, dp_replicate, dp_shard, sp, tp — so
-tensor parallelism talks between neighbouring ranks (same host). Only dimensions of size > 1
+Dimension order (outer to inner) follows torchtitan: pp, dp_replicate, dp_shard, ep, sp, tp — so
+tensor parallelism talks between neighbouring ranks (same host). ep (expert parallelism) is part
+of data parallelism: its ranks see different batches, and hold different experts. Only dimensions of size > 1
 appear in the mesh. A single process (world size 1) gets no mesh at all (None).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp")
 
 
 @dataclass(frozen=True)
@@ -25,14 +26,16 @@ class MeshSpec:
     tp: int = 1
     sp: int = 1
     pp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.sp * self.pp
+        return self.dp_replicate * self.dp_shard * self.ep * self.tp * self.sp * self.pp
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel ranks: every rank that sees its own batches (ep ranks included)."""
+        return self.dp_replicate * self.dp_shard * self.ep
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in DIM_ORDER}
@@ -44,45 +47,46 @@ class MeshSpec:
 
     def layout(self) -> dict[str, int]:
         """The layout recorded in checkpoint manifests."""
-        return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "sp": self.sp, "pp": self.pp}
+        return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "sp": self.sp, "pp": self.pp,
+                "ep": self.ep}
 
 
 def resolve_mesh_spec(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, sp: int = 1,
-                      pp: int = 1) -> MeshSpec:
+                      pp: int = 1, ep: int = 1) -> MeshSpec:
     """Check the sizes against `world_size` (no communication); `dp_shard=-1` takes what is left.
 
     Raises ValueError naming the numbers, e.g.
-    "dp_replicate=1 × dp_shard=3 × tp=1 × sp=1 × pp=1 = 3 does not equal world size 2".
+    "dp_replicate=1 × dp_shard=3 × ep=1 × tp=1 × sp=1 × pp=1 = 3 does not equal world size 2".
     """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
-    for name, size in (("dp_replicate", dp_replicate), ("tp", tp), ("sp", sp), ("pp", pp)):
+    for name, size in (("dp_replicate", dp_replicate), ("ep", ep), ("tp", tp), ("sp", sp), ("pp", pp)):
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}")
     if dp_shard == -1:
-        rest = dp_replicate * tp * sp * pp
+        rest = dp_replicate * ep * tp * sp * pp
         if world_size % rest:
-            raise ValueError(f"cannot infer dp_shard: dp_replicate={dp_replicate} × tp={tp} × sp={sp} × pp={pp} "
+            raise ValueError(f"cannot infer dp_shard: dp_replicate={dp_replicate} × ep={ep} × tp={tp} × sp={sp} × pp={pp} "
                              f"= {rest} does not divide world size {world_size}")
         dp_shard = world_size // rest
     elif dp_shard < 1:
         raise ValueError(f"dp_shard must be >= 1 or -1 (infer), got {dp_shard}")
-    spec = MeshSpec(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, sp=sp, pp=pp)
+    spec = MeshSpec(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, sp=sp, pp=pp, ep=ep)
     if spec.world_size != world_size:
-        raise ValueError(f"dp_replicate={dp_replicate} × dp_shard={dp_shard} × tp={tp} × sp={sp} × pp={pp} "
+        raise ValueError(f"dp_replicate={dp_replicate} × dp_shard={dp_shard} × ep={ep} × tp={tp} × sp={sp} × pp={pp} "
                          f"= {spec.world_size} does not equal world size {world_size}")
     return spec
 
 
 def build_mesh(world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, sp: int = 1, pp: int = 1,
-               device_type: str | None = None):
+               ep: int = 1, device_type: str | None = None):
     """A `DeviceMesh` with named dims (only those > 1), or None for a single process.
 
     Validation happens before any collective, so a wrong layout fails fast and identically on
     every rank. With two or more dims > 1, the flattened "dp" dim (dp_replicate × dp_shard)
     is also created when both are > 1.
     """
-    spec = resolve_mesh_spec(world_size, dp_replicate, dp_shard, tp, sp, pp)
+    spec = resolve_mesh_spec(world_size, dp_replicate, dp_shard, tp, sp, pp, ep)
     if world_size == 1:
         return None
     import torch.distributed as dist

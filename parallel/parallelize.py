@@ -7,12 +7,16 @@ applies, each step only when asked for, in place:
 
 1. tensor parallel      the plan's `tp_plan` layers become DTensor shards over `tp_mesh`
                         (`parallelize_module`; parallel.tensor_parallel)
+   expert parallel      the plan's `experts` are sharded on their expert dim over `ep_mesh`, their
+                        dispatch buffers exchanged by all_to_all (`distribute_module`;
+                        parallel.expert_parallel)
 2. row-sequence         forward hooks on the plan's row-attention key seams and row-statistics
                         modules gather / reduce over `sp_group` (parallel.sequence_parallel)
 3. activation ckpt      every `plan.blocks` module recomputed in backward (parallel.activation_checkpointing)
 4. torch.compile        every `plan.blocks` module compiled (parallel.compile)
 5. data parallel        FSDP2 `fully_shard` on every block, innermost first, then the root
-                        (ZeRO-2/3; `fully_shard_kwargs`: mesh, precision policy, resharding)
+                        (ZeRO-2/3; `fully_shard_kwargs`: mesh, precision policy, resharding);
+                        experts sharded over ep stay out of it (FSDP's ignored parameters)
 
 Every plugin builds its model through this function (the plugin decides the meshes and
 options), then builds or rebuilds the optimizer on the parameters that result. Replicated data
@@ -28,6 +32,7 @@ from torch import nn
 
 from .activation_checkpointing import checkpoint_blocks
 from .compile import compile_blocks
+from .expert_parallel import parallelize_experts
 from .plan import ParallelPlan
 from .sequence_parallel import parallelize_rows
 from .tensor_parallel import parallelize_tensor
@@ -41,6 +46,7 @@ class Parallelized:
     restores the one-device forward, e.g. for evaluation on whole tables), the FSDP units."""
 
     tp_styles: dict[str, str] = field(default_factory=dict)
+    experts: list[str] = field(default_factory=list)
     row_hooks: list[Any] = field(default_factory=list)
     fsdp_units: list[nn.Module] = field(default_factory=list)
 
@@ -60,15 +66,17 @@ def resolve_blocks(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, n
     return sorted(units, key=lambda u: -u[0].count("."))
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, sp_group: Any = None,
-                activation_checkpointing: bool = False, compile: bool = False,
+def parallelize(model: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, ep_mesh: Any = None,
+                sp_group: Any = None, activation_checkpointing: bool = False, compile: bool = False,
                 fully_shard_kwargs: dict[str, Any] | None = None) -> Parallelized:
-    """Apply tensor parallel (over `tp_mesh`), row-sequence parallel (over `sp_group`), activation
-    checkpointing, torch.compile and FSDP2 (`fully_shard_kwargs`, None: not sharded) to `model`,
-    in that order and in place."""
+    """Apply tensor and expert parallel (over `tp_mesh`, `ep_mesh`), row-sequence parallel (over
+    `sp_group`), activation checkpointing, torch.compile and FSDP2 (`fully_shard_kwargs`, None:
+    not sharded) to `model`, in that order and in place."""
     done = Parallelized()
     if tp_mesh is not None and tp_mesh.size() > 1:
         done.tp_styles = parallelize_tensor(model, tp_mesh, plan)
+    if ep_mesh is not None and ep_mesh.size() > 1:
+        done.experts = parallelize_experts(model, ep_mesh, plan)
     if sp_group is not None:
         done.row_hooks = parallelize_rows(model, plan, sp_group)
     if activation_checkpointing:
@@ -78,6 +86,10 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, sp
     if fully_shard_kwargs is not None:
         from torch.distributed.fsdp import fully_shard
 
+        if done.experts:
+            experts = {p for name in done.experts for p in model.get_submodule(name).parameters()}
+            fully_shard_kwargs = {**fully_shard_kwargs,
+                                  "ignored_params": set(fully_shard_kwargs.get("ignored_params", ())) | experts}
         blocks = resolve_blocks(model, plan.blocks)
         for _, block in blocks:
             fully_shard(block, **fully_shard_kwargs)

@@ -54,6 +54,9 @@ class ParallelPlan:
     row_statistics  names of modules that reduce statistics over context rows (all-reduced
                     across the row-sequence-parallel group).
     num_heads       attention heads per attention module (tensor-parallel divisibility check).
+    experts         module-name patterns (fnmatch) of grouped-expert modules: parameters with
+                    the expert on dim 0, forward (E, slots, d) dispatch buffer -> (E, slots, d');
+                    expert parallelism shards them over ep ranks (parallel.expert_parallel).
     pipeline        how to cut the model into pipeline stages (None: it cannot be pipelined).
     """
 
@@ -63,6 +66,7 @@ class ParallelPlan:
     shared_row_keys: int = 0
     row_statistics: list[str] = field(default_factory=list)
     num_heads: int = 1
+    experts: list[str] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
 
     def __post_init__(self) -> None:

@@ -287,7 +287,7 @@ def test_mesh_named_dims(dist_results):
 
 
 def test_wrong_mesh_raises_before_any_collective():
-    with pytest.raises(ValueError, match=r"dp_shard=3 × tp=1 × sp=1 × pp=1 = 3 does not equal world size 2"):
+    with pytest.raises(ValueError, match=r"dp_shard=3 × ep=1 × tp=1 × sp=1 × pp=1 = 3 does not equal world size 2"):
         build_mesh(2, dp_shard=3)
     with pytest.raises(ValueError, match=r"tp=3 .* does not divide world size 4"):
         build_mesh(4, tp=3)

@@ -30,7 +30,7 @@ def loop_reference(moe: MoEMLP, x: torch.Tensor, mask: torch.Tensor | None, capa
     d, e, k = x.shape[-1], moe.n_experts, moe.top_k
     flat = x.reshape(-1, d).double()
     real = list(range(flat.shape[0])) if mask is None else mask.reshape(-1).nonzero().flatten().tolist()
-    router, w1, w2 = (t.detach().double() for t in (moe.router.weight, moe.w1, moe.w2))
+    router, w1, w2 = (t.detach().double() for t in (moe.router.weight, moe.experts.w1, moe.experts.w2))
     choices = {}
     for t in real:
         p = torch.softmax(router @ flat[t], 0).tolist()
@@ -102,7 +102,7 @@ def test_capacity_drops_later_tokens_first():
     assert moe.capacity(4) == 2 and moe.stats.dropped == 2
     assert (out[2:] == 0).all() and (out[:2] != 0).all()
     p0 = torch.softmax(x[0], 0)[0]
-    expected = p0 * (moe.w2[0] @ gelu_tanh(moe.w1[0] @ x[0]))  # k = 1: gate = the router probability
+    expected = p0 * (moe.experts.w2[0] @ gelu_tanh(moe.experts.w1[0] @ x[0]))  # k = 1: gate = the router probability
     torch.testing.assert_close(out[0], expected.detach(), atol=1e-6, rtol=0)
 
 
@@ -117,8 +117,8 @@ def test_one_expert_is_the_dense_mlp():
     torch.manual_seed(0)
     dense, moe = MLP(8, 16), MoEMLP(8, 16, 1, 1, 1.0).train()
     with torch.no_grad():
-        moe.w1.copy_(dense.fc1.weight[None])
-        moe.w2.copy_(dense.fc2.weight[None])
+        moe.experts.w1.copy_(dense.fc1.weight[None])
+        moe.experts.w2.copy_(dense.fc2.weight[None])
     x = torch.randn(3, 7, 8)
     torch.testing.assert_close(moe(x), dense(x), atol=1e-6, rtol=0)
     assert moe.stats.dropped == 0
@@ -173,13 +173,13 @@ def test_gradients_reach_router_and_experts(k):
     assert moe.router.weight.grad.abs().sum() > 0
     used = set(moe.router(x).topk(k, -1).indices.flatten().tolist())
     for e in range(4):
-        assert (moe.w1.grad[e].abs().sum() > 0) == (e in used)
-        assert (moe.w2.grad[e].abs().sum() > 0) == (e in used)
+        assert (moe.experts.w1.grad[e].abs().sum() > 0) == (e in used)
+        assert (moe.experts.w2.grad[e].abs().sum() > 0) == (e in used)
     assert x.grad.abs().sum() > 0
     moe.zero_grad()
     moe(x)
     (moe.stats.aux + moe.stats.z).backward()  # the auxiliary losses reach the router
-    assert moe.router.weight.grad.abs().sum() > 0 and moe.w1.grad is None  # set_to_none, untouched
+    assert moe.router.weight.grad.abs().sum() > 0 and moe.experts.w1.grad is None  # set_to_none, untouched
 
 
 # ------------------------------------------------------------------ the model
@@ -209,8 +209,8 @@ def test_moe_blocks_plan_and_state_dict():
     m = moe_model(moe_every=2)
     assert isinstance(m.blocks[0].mlp, MLP) and isinstance(m.blocks[1].mlp, MoEMLP)
     keys = [k for k in m.state_dict() if k.startswith("blocks.1.mlp")]
-    assert keys == ["blocks.1.mlp.w1", "blocks.1.mlp.w2", "blocks.1.mlp.router.weight"]
-    assert m.blocks[1].mlp.w1.shape == (4, 64, 32) and m.blocks[1].mlp.w2.shape == (4, 32, 64)
+    assert keys == ["blocks.1.mlp.router.weight", "blocks.1.mlp.experts.w1", "blocks.1.mlp.experts.w2"]
+    assert m.blocks[1].mlp.experts.w1.shape == (4, 64, 32) and m.blocks[1].mlp.experts.w2.shape == (4, 32, 64)
     from tabfm.parallel.tensor_parallel import resolve_tp_plan
 
     for model_ in (m, moe_model()):  # the dense MLPs' patterns only where dense MLPs exist
@@ -246,7 +246,7 @@ def test_moe_model_loss_adds_the_weighted_aux_terms():
         assert p.grad is not None, name
     for block in m.blocks:
         assert block.mlp.router.weight.grad.abs().sum() > 0
-        assert block.mlp.w1.grad.abs().sum() > 0
+        assert block.mlp.experts.w1.grad.abs().sum() > 0
 
 
 def test_moe_model_with_one_expert_equals_the_dense_model():
@@ -256,8 +256,8 @@ def test_moe_model_with_one_expert_equals_the_dense_model():
     moe = TabFM(ModelConfig(**SMALL, moe_experts=1)).eval()
     state = dict(dense.state_dict())
     for i in range(2):
-        state[f"blocks.{i}.mlp.w1"] = state.pop(f"blocks.{i}.mlp.fc1.weight")[None]
-        state[f"blocks.{i}.mlp.w2"] = state.pop(f"blocks.{i}.mlp.fc2.weight")[None]
+        state[f"blocks.{i}.mlp.experts.w1"] = state.pop(f"blocks.{i}.mlp.fc1.weight")[None]
+        state[f"blocks.{i}.mlp.experts.w2"] = state.pop(f"blocks.{i}.mlp.fc2.weight")[None]
         state[f"blocks.{i}.mlp.router.weight"] = moe.state_dict()[f"blocks.{i}.mlp.router.weight"]
     moe.load_state_dict(state)
     batch = make_batch(pad_rows=2, pad_cols=1)

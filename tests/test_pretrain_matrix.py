@@ -58,7 +58,11 @@ LAYOUTS: dict[str, tuple[list[str], int, int]] = {
     "pp-dp": ([*PP, "--activation-checkpointing", "--zero-stage", "2"], 4, 2),
     "pp-tp": ([*PP, "--tp", "2"], 4, 1),
     "pp-sp": ([*PP, "--sp", "2"], 4, 1),
+    # experts over the 2 data-parallel ranks; the reference is the same mixture-of-experts model
+    # in one process (its micro-batches route as each rank's batch does, capacity included)
+    "ep": (["--plugin", "hybrid", "--ep", "2", "--moe-experts", "4", "--moe-top-k", "2"], 2, 2),
 }
+MODEL_FLAGS = ("--moe-experts", "--moe-top-k")  # layout flags that change the model: the reference takes them too
 MUON_REFUSED = {"gemini", "gemini-auto", "gemini-disk"}  # Gemini steps AdamW on its chunks
 CI_ROWS = [  # the suite's budget: gemini auto/disk run one process against --plugin single in test_pretrain_gemini
     *[(layout, "adamw", "fp32") for layout in LAYOUTS if layout not in ("pp-tp", "gemini-auto", "gemini-disk")],
@@ -94,15 +98,16 @@ def metrics(out: Path) -> tuple[list[float], dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One-process runs, made on first use: (data-parallel ranks, micro-batches, optimizer, precision) -> run dir."""
-    made: dict[tuple[int, str, str, str], Path] = {}
+    """One-process runs, made on first use: (data-parallel ranks, micro-batches, optimizer, precision,
+    model flags) -> run dir."""
+    made: dict[tuple[int, str, str, str, tuple[str, ...]], Path] = {}
 
-    def get(dp: int, microbatches: str, optimizer: str, precision: str) -> Path:
-        key = (dp, microbatches, optimizer, precision)
+    def get(dp: int, microbatches: str, optimizer: str, precision: str, model: tuple[str, ...] = ()) -> Path:
+        key = (dp, microbatches, optimizer, precision, model)
         if key not in made:
             out = tmp_path_factory.mktemp("single") / f"dp{dp}-m{microbatches}-{optimizer}-{precision}"
             assert main(["pretrain", *run_flags(optimizer, precision), "--plugin", "single", "--grad-accum", str(dp),
-                         "--microbatches", microbatches, "--out", str(out)]) == 0
+                         "--microbatches", microbatches, *model, "--out", str(out)]) == 0
             made[key] = out
         return made[key]
 
@@ -118,7 +123,9 @@ def test_layout_trains_evaluates_and_exports_like_one_process(layout, optimizer,
     out = tmp_path / "run"
     torchrun_pretrain(out, run_flags(optimizer, precision) + [a.replace("{tmp}", str(tmp_path)) for a in plugin], nproc)
     microbatches = plugin[plugin.index("--microbatches") + 1] if "--microbatches" in plugin else "1"
-    ref = references(dp, microbatches, optimizer, precision)
+    model = tuple(a for i, a in enumerate(plugin) for flag in MODEL_FLAGS
+                  if a == flag or (i and plugin[i - 1] == flag))
+    ref = references(dp, microbatches, optimizer, precision, model)
     tol = TOL[precision]
 
     losses, evals = metrics(out)

@@ -1,13 +1,20 @@
-"""HybridParallelPlugin: data × pipeline × row-sequence × tensor parallelism on one DeviceMesh.
+"""HybridParallelPlugin: data × pipeline × expert × row-sequence × tensor parallelism on one DeviceMesh.
 
     plugin = HybridParallelPlugin(tp_size=2, sp_size=2, zero_stage=0, precision="bf16")
     plugin = HybridParallelPlugin(pp_size=2, num_microbatches=4)     # dp × pp
-    # world size = dp × pp × sp × tp
+    plugin = HybridParallelPlugin(ep_size=2)                         # experts over 2 of the dp ranks
+    # world size = dp × pp × sp × tp; ep divides dp
 
 Composition, in the torchtitan order, of what the model's `ParallelPlan` declares:
 
     tensor parallel   DTensor `parallelize_module` over mesh["tp"] (`tabfm.parallel.tensor_parallel`):
                       attention heads of both attentions and the MLP width are split.
+    expert parallel   (ep_size > 1) the plan's grouped experts are sharded on their expert dim
+                      over mesh["ep"], and their dispatch buffers cross ranks by all_to_all
+                      (`tabfm.parallel.expert_parallel`). ep ranks are data-parallel ranks (each
+                      sees its own batches): expert gradients are reduced over the dp ranks that
+                      hold the same experts, everything else over all of dp × sp. Under ZeRO the
+                      experts stay out of FSDP (ignored parameters, sharded by ep alone).
     row-sequence      each sp rank gets a contiguous slice of every table's rows; row attention
                       all-gathers K/V over mesh["sp"], row statistics are all-reduced
                       (`tabfm.parallel.sequence_parallel`); the loss is the sp group's global mean.
@@ -71,6 +78,7 @@ from ..sequence_parallel import (
     sync_rng_state,
 )
 from ..sharded_checkpoint import ShardedCheckpointIO
+from ..expert_parallel import check_ep_layout
 from ..tensor_parallel import check_tp_layout
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from .ddp import _require_process_group
@@ -113,6 +121,8 @@ class HybridParallelPlugin(Plugin):
 
     tp_size      tensor-parallel ranks: attention heads and MLP width are split.
     sp_size      row-sequence-parallel ranks: every table's rows are split.
+    ep_size      expert-parallel ranks (a factor of dp): each holds 1/ep of every mixture-of-experts
+                 layer's experts (the model's plan names them); not with pp_size > 1.
     pp_size      pipeline stages: the model's layers are split into pp_size stages (with dp, tp, sp
                  and zero_stage 0/2/3; precision fp32 or bf16); train with `booster.execute_pipeline`.
     num_microbatches  micro-batches per batch under pp (default pp_size; at least pp_size; a
@@ -134,7 +144,7 @@ class HybridParallelPlugin(Plugin):
     name = "hybrid"
 
     def __init__(self, tp_size: int = 1, sp_size: int = 1, zero_stage: int = 0,
-                 precision: "str | MixedPrecision | None" = None, *, pp_size: int = 1,
+                 precision: "str | MixedPrecision | None" = None, *, pp_size: int = 1, ep_size: int = 1,
                  num_microbatches: int | None = None, stages_per_rank: int = 1,
                  loss_count: "str | Callable[..., float] | None" = "cells", bucket_cap_mb: float = 25.0,
                  device: "str | torch.device | None" = None) -> None:
@@ -143,6 +153,7 @@ class HybridParallelPlugin(Plugin):
         world = dist.get_world_size()
         self.tp_size, self.sp_size, self.pp_size, self.zero_stage = _check_layout(
             world, tp_size, sp_size, pp_size, zero_stage)
+        self.ep_size = _check_ep(world // (self.tp_size * self.sp_size * self.pp_size), ep_size, self.pp_size)
         self.num_microbatches = _check_microbatches(self.pp_size, num_microbatches)
         if not isinstance(stages_per_rank, int) or stages_per_rank < 1 or (stages_per_rank > 1 and self.pp_size == 1):
             raise ValueError(f"stages_per_rank must be an int >= 1 (> 1 only with pp_size > 1), got {stages_per_rank!r} "
@@ -158,16 +169,19 @@ class HybridParallelPlugin(Plugin):
             from ..launch import current
             device = current().device
         self._device = torch.device(device)
-        self.mesh = build_mesh(world, dp_shard=self.dp_size, tp=self.tp_size, sp=self.sp_size, pp=self.pp_size,
-                               device_type=self._device.type)
+        self.mesh = build_mesh(world, dp_shard=self.dp_size // self.ep_size, ep=self.ep_size, tp=self.tp_size,
+                               sp=self.sp_size, pp=self.pp_size, device_type=self._device.type)
         self.pp_mesh = sub_mesh(self.mesh, "pp")
         self.tp_mesh = sub_mesh(self.mesh, "tp")
         self.sp_mesh = sub_mesh(self.mesh, "sp")
-        self.grad_mesh = sub_mesh(self.mesh, "dp_shard", "sp")  # ranks holding the same parameters
+        self.ep_mesh = sub_mesh(self.mesh, "ep")
+        self.grad_mesh = sub_mesh(self.mesh, "dp_shard", "ep", "sp")  # ranks holding the same parameters
+        self.expert_grad_mesh = sub_mesh(self.mesh, "dp_shard", "sp")  # ... and the same experts (under ep)
         self.rng_mesh = sub_mesh(self.mesh, "sp", "tp")  # ranks computing on the same tables
         self.process_group = None  # checkpoints and fallbacks run over the whole world
         self._param_names: list[str] = []
         self._params: list[nn.Parameter] = []
+        self._expert_params: set[int] = set()  # ids of the ep-sharded experts' parameters
         self._fsdp_module: nn.Module | None = None
         self._syncing = True
         self.tp_styles: dict[str, str] = {}
@@ -188,7 +202,7 @@ class HybridParallelPlugin(Plugin):
 
     @property
     def dp_rank(self) -> int:
-        return mesh_rank(self.mesh, "dp_shard")
+        return mesh_rank(self.mesh, "dp_shard") * self.ep_size + mesh_rank(self.mesh, "ep")
 
     @property
     def dp_world_size(self) -> int:
@@ -212,7 +226,7 @@ class HybridParallelPlugin(Plugin):
 
     def layout(self) -> dict[str, int]:
         return {"world_size": dist.get_world_size(), "dp": self.dp_size, "tp": self.tp_size, "sp": self.sp_size,
-                "pp": self.pp_size}
+                "pp": self.pp_size, "ep": self.ep_size}
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's rows of `batch` (the slice the boosted model computes on and its outputs
@@ -234,16 +248,19 @@ class HybridParallelPlugin(Plugin):
     ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any | None]:
         if self.pp_size > 1:
             return self._configure_pipeline(model, optimizer, criterion, dataloader, lr_scheduler)
-        plan = plan_of(model, "tensor and row-sequence parallelism" if self.tp_size * self.sp_size > 1 else None)
+        plan = plan_of(model, "tensor, expert and row-sequence parallelism"
+                       if self.tp_size * self.sp_size * self.ep_size > 1 else None)
         if self.tp_size > 1:  # every check before the first collective
             check_tp_layout(model, plan, self.tp_size)
+        if self.ep_size > 1:
+            check_ep_layout(model, plan, self.ep_size)
         group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
         model.to(self.device)
         with torch.no_grad():  # like DDP: rank 0's parameters and buffers are the model
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
         done = parallelize(model, plan, tp_mesh=self.tp_mesh if self.tp_size > 1 else None,
-                           sp_group=self._group(self.sp_mesh) if self.sp_size > 1 else None,
+                           ep_mesh=self.ep_mesh if self.ep_size > 1 else None, sp_group=self._group(self.sp_mesh) if self.sp_size > 1 else None,
                            activation_checkpointing=self.activation_checkpointing, compile=self.compile,
                            fully_shard_kwargs=self._fully_shard_kwargs(model) if self.zero_stage else None)
         self.tp_styles = done.tp_styles
@@ -252,6 +269,7 @@ class HybridParallelPlugin(Plugin):
         if self.zero_stage:  # FSDP averages gradients over dp x sp; `backward` scales the loss by sp, so
             self._fsdp_module = model  # they are summed over sp (parts of one batch) and averaged over dp
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._expert_params = {id(p) for name in done.experts for p in model.get_submodule(name).parameters()}
         wrapped_optimizer = None
         if optimizer is not None:
             self._param_names = [n for names in group_names for n in names]
@@ -404,36 +422,48 @@ class HybridParallelPlugin(Plugin):
     # --- gradients -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         """loss.backward() (scaled under fp16), then, outside `no_sync`, the gradient reduction
-        over dp × sp (FSDP2 does its own inside backward)."""
+        over dp × sp (FSDP2 does its own inside backward, for all but ep-sharded experts)."""
         if self.zero_stage and self.sp_size > 1:
             loss = loss * self.sp_size  # FSDP averages over dp × sp; sp ranks' gradients must add up
         optimizer.backward(loss)
-        if self._syncing and not self.zero_stage:
+        if self._syncing:
             self._all_reduce_grads()
 
     def _all_reduce_grads(self) -> None:
-        """Sum gradients over dp × sp and divide by dp, in buckets. A parameter without a
-        gradient on some rank counts as zero there; one without any stays None."""
-        group = self._group(self.grad_mesh)
-        if group is None:
-            return
+        """Sum gradients over the ranks holding the same parameters and divide by dp, in buckets:
+        everything but the experts over dp × sp (unless FSDP2 did), ep-sharded experts over the
+        dp × sp ranks holding the same experts (an expert's gradient already sums its ep peers'
+        tokens; under ZeRO with sp the loss was scaled by sp, so they divide by dp × sp)."""
         with torch.no_grad():
-            self._all_reduce_grads_in(group)
+            if not self.zero_stage:
+                dense = [p for p in self._params if id(p) not in self._expert_params]
+                self._all_reduce_grads_in(self._group(self.grad_mesh), dense, self.dp_size)
+            experts = [p for p in self._params if id(p) in self._expert_params]
+            if experts:
+                divisor = self.dp_size * (self.sp_size if self.zero_stage else 1)
+                self._all_reduce_grads_in(self._group(self.expert_grad_mesh), experts, divisor)
 
-    def _all_reduce_grads_in(self, group: Any) -> None:
-        has = torch.tensor([p.grad is not None for p in self._params], dtype=torch.float32, device=self.device)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    def _all_reduce_grads_in(self, group: Any, params: list[nn.Parameter], divisor: int) -> None:
+        """Sum `params`' gradients over `group` (None: this rank alone), divide by `divisor`. A
+        parameter without a gradient on some rank counts as zero there; one without any stays None."""
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
+        if group is not None:
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
         grads = []
-        for p, anywhere in zip(self._params, has.tolist()):
+        for p, anywhere in zip(params, has.tolist()):
             if anywhere:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(local_shard(p.grad))
+        if group is None:
+            for g in grads if divisor > 1 else ():
+                g.div_(divisor)
+            return
         for bucket in _buckets(grads, int(self.bucket_cap_mb * 2**20)):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            if self.dp_size > 1:
-                flat.div_(self.dp_size)
+            if divisor > 1:
+                flat.div_(divisor)
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -452,10 +482,12 @@ class HybridParallelPlugin(Plugin):
             if self._fsdp_module is None:
                 raise RuntimeError("no_sync() before boost(): there is no FSDP module yet")
             self._fsdp_module.set_requires_gradient_sync(False)
+            self._syncing = False  # the experts, outside FSDP
             try:
                 yield
             finally:
                 self._fsdp_module.set_requires_gradient_sync(True)
+                self._syncing = True
             return
         self._syncing = False
         try:
@@ -487,7 +519,8 @@ class HybridParallelPlugin(Plugin):
         return flag
 
     def __repr__(self) -> str:
-        return (f"HybridParallelPlugin(dp={self.dp_size}, pp={self.pp_size}, sp={self.sp_size}, tp={self.tp_size}, "
+        return (f"HybridParallelPlugin(dp={self.dp_size}, ep={self.ep_size}, pp={self.pp_size}, sp={self.sp_size}, "
+                f"tp={self.tp_size}, "
                 f"zero_stage={self.zero_stage}, device={self.device}, precision={self.precision.dtype!r})")
 
 
@@ -507,6 +540,18 @@ def _check_layout(world: int, tp: int, sp: int, pp: int, zero_stage: int) -> tup
         raise ValueError(f"world size {world} is not divisible by tp × sp × pp = {tp} × {sp} × {pp} = {tp * sp * pp} "
                          f"(dp = world / (tp × sp × pp) must be a whole number)")
     return tp, sp, pp, zero_stage
+
+
+def _check_ep(dp: int, ep: int, pp: int) -> int:
+    """Expert-parallel ranks: a factor of the data-parallel ranks; not with pipeline stages."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep_size must be an int >= 1, got {ep!r}")
+    if dp % ep:
+        raise ValueError(f"ep_size={ep} must divide the data-parallel ranks dp = world / (tp × sp × pp) = {dp}: "
+                         "expert-parallel ranks are data-parallel ranks that hold different experts")
+    if ep > 1 and pp > 1:
+        raise ValueError(f"ep_size={ep} with pp_size={pp}: a model with experts declares no pipeline stages")
+    return ep
 
 
 def _check_microbatches(pp: int, num_microbatches: int | None) -> int:

@@ -4,12 +4,14 @@ One process:           tabfm pretrain --preset tiny --out runs/tiny
 From a table store:    tabfm pretrain --preset tiny --data corpus/ --out runs/tiny-corpus
 N processes (torchrun): torchrun --nproc_per_node N -m tabfm.cli pretrain --plugin ddp --out runs/tiny
 Long tables (tp x sp): torchrun --nproc_per_node 4 -m tabfm.cli pretrain --plugin hybrid --tp 2 --sp 2 --out runs/t
+Experts over ranks:    torchrun --nproc_per_node 2 -m tabfm.cli pretrain --plugin hybrid --moe-experts 4 --ep 2 --out runs/e
 Under a device budget: tabfm pretrain --plugin gemini --gemini-budget-mib 64 --gemini-placement auto --out runs/g
 
 Each data-parallel rank trains on its own batches of the stream's cells_per_batch cells, so the
 global batch is N times the single-process one; logged cells/s are global, losses rank averages.
 With --plugin hybrid the tp x sp ranks of a group split each table (heads and MLP width over tp,
-rows over sp) and see the same batches: only world / (tp x sp) ranks are data parallel.
+rows over sp) and see the same batches: only world / (tp x sp) ranks are data parallel. --ep N
+spreads every mixture-of-experts layer's experts over N of those data-parallel ranks.
 With --data STORE (a directory written by `tabfm synth --out` or tabfm.data.store.write_table) batches
 are episodes posed on the store's tables, bucketed by size, each rank its own tables, epoch after
 epoch; the held-out synthetic evaluation still measures the prior.
@@ -86,7 +88,7 @@ _HELP = {
                 "as the trained one)",
     "moe_experts": "mixture of experts: every block's MLP becomes E expert MLPs of the dense one's size, a "
                    "learned router sending each token to --moe-top-k of them (default 0: dense); logs moe_aux, "
-                   "moe_z and moe_dropped. Not yet split over ranks (no expert parallelism); not with --pp",
+                   "moe_z and moe_dropped. Split over ranks with --plugin hybrid --ep N; not with --pp",
     "moe_top_k": "with --moe-experts: experts per token, 1..E (default 1)",
 }
 
@@ -104,6 +106,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "2 or 3 (FSDP2 over the data-parallel x row-sequence ranks; default replicated)")
     p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table")
     p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
+    p.add_argument("--ep", type=int, default=None,
+                   help="--plugin hybrid with --moe-experts E: expert-parallel ranks (each holds E/EP experts; "
+                        "tokens cross ranks by all_to_all); EP divides the data-parallel ranks")
     p.add_argument("--pp", type=int, default=None,
                    help="--plugin hybrid: pipeline stages (the blocks cut into PP stages; use --microbatches >= PP)")
     p.add_argument("--gemini-budget-mib", dest="gemini_budget_mib", type=float, default=None,
@@ -143,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     overrides["plugin"] = args.plugin
     if args.zero_stage is not None:
         overrides["zero_stage"] = args.zero_stage
-    for name in ("tp", "sp", "pp", *PretrainConfig.GEMINI_FLAGS):
+    for name in ("tp", "sp", "pp", "ep", *PretrainConfig.GEMINI_FLAGS):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.no_sklearn_eval:

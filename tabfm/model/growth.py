@@ -17,7 +17,7 @@ import re
 import torch
 
 # the projections whose output is added to the residual stream, per block
-RESIDUAL_OUTPUTS = ("col_attn.out.weight", "row_attn.out.weight", "mlp.fc2.weight", "mlp.w2")  # w2: MoE experts
+RESIDUAL_OUTPUTS = ("col_attn.out.weight", "row_attn.out.weight", "mlp.fc2.weight", "mlp.experts.w2")
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 

@@ -24,12 +24,15 @@ Statistics of the last forward are kept in `stats` (`MoEStats`): the Switch / GS
 load-balancing loss, the router z-loss and the dropped-assignment count. `TabFM` collects them
 from its MoE blocks into `ModelOutput.moe`; `masked_cell_loss` adds the weighted losses.
 
-Expert weights are stacked parameters with the expert on dim 0, `w1` (E, hidden, d) and
-`w2` (E, d, hidden) (each expert's [out, in] as nn.Linear stores it), so an engine can shard
-them on dim 0 over an expert-parallel mesh dimension. The expert compute is one batched matmul
-over an (E, slots, d) dispatch buffer (slots = the fullest expert's load, at most its capacity),
-filled and read back with index_add: no Python loop over tokens or experts, and every expert's
-weights take part in every forward (data-parallel gradient reduction expects that).
+The experts are one module, `GroupedExperts` (`MoEMLP.experts`): stacked parameters with the
+expert on dim 0, `w1` (E, hidden, d) and `w2` (E, d, hidden) (each expert's [out, in] as
+nn.Linear stores it), applied by one batched matmul to an (E, slots, d) dispatch buffer (slots =
+the fullest expert's load, at most its capacity) that the router fills and reads back with
+index_add: no Python loop over tokens or experts, and every expert's weights take part in every
+forward (data-parallel gradient reduction expects that). That buffer is the seam expert
+parallelism cuts at (`parallel.expert_parallel`, named in the model's `ParallelPlan.experts`): it
+shards the experts' parameters on dim 0 over the ep ranks and exchanges the buffer's expert rows
+between them (all_to_all); the router and everything around it stay as they are.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MoEMLP", "MoEStats"]
+__all__ = ["GroupedExperts", "MoEMLP", "MoEStats"]
 
 
 @dataclass
@@ -89,6 +92,23 @@ class MoEStats:
         )
 
 
+class GroupedExperts(nn.Module):
+    """E expert MLPs (fc1 -> GELU (tanh) -> fc2, no bias) over a dispatch buffer:
+    (E, slots, d) -> (E, slots, d), row e of the buffer through expert e."""
+
+    def __init__(self, d_model: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        with torch.no_grad():  # nn.Linear's default initialisation, per expert
+            self.w1.uniform_(-d_model ** -0.5, d_model ** -0.5)
+            self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)
+
+    def forward(self, buffer: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(torch.bmm(buffer, self.w1.transpose(1, 2)), approximate="tanh")  # (E, slots, hidden)
+        return torch.bmm(h, self.w2.transpose(1, 2))
+
+
 class MoEMLP(nn.Module):
     """x (..., d_model) -> same shape: top-k routed mixture of `n_experts` MLPs (module doc)."""
 
@@ -101,11 +121,7 @@ class MoEMLP(nn.Module):
             raise ValueError(f"MoEMLP: capacity_factor = {capacity_factor} must be > 0")
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
-        self.w2 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        with torch.no_grad():  # nn.Linear's default initialisation, per expert
-            self.w1.uniform_(-d_model ** -0.5, d_model ** -0.5)
-            self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)
+        self.experts = GroupedExperts(d_model, hidden, n_experts)
         self.stats: MoEStats | None = None
 
     def capacity(self, tokens: int) -> int:
@@ -143,8 +159,7 @@ class MoEMLP(nn.Module):
         src = token[keep]
 
         buffer = tokens.new_zeros(e * slots, d).index_add(0, slot, tokens[src]).view(e, slots, d)
-        h = F.gelu(torch.bmm(buffer, self.w1.transpose(1, 2)), approximate="tanh")  # (E, slots, hidden)
-        y = torch.bmm(h, self.w2.transpose(1, 2)).reshape(e * slots, d)
+        y = self.experts(buffer).reshape(e * slots, d)
         y = y[slot] * gate[keep, None].to(y.dtype)
         out = y.new_zeros(n, d).index_add(0, src, y)
         if real is not None:

@@ -150,7 +150,7 @@ class TabFM(nn.Module):
         factor = (2 * self.config.n_layers) ** -0.5
         with torch.no_grad():
             for block in self.blocks:
-                mlp_out = block.mlp.w2 if isinstance(block.mlp, MoEMLP) else block.mlp.fc2.weight
+                mlp_out = block.mlp.experts.w2 if isinstance(block.mlp, MoEMLP) else block.mlp.fc2.weight
                 for weight in (block.col_attn.out.weight, block.row_attn.out.weight, mlp_out):
                     weight.mul_(factor)
 
@@ -266,9 +266,9 @@ class TabFM(nn.Module):
     def parallel_plan(self) -> ParallelPlan:
         """How the engine may split this model (see parallel/plan.py; pipeline stages: .pipeline).
 
-        Mixture-of-experts MLPs are not tensor-parallel (their experts stay whole on every tp rank:
-        expert parallelism is the axis that will split them), and a model with them declares no
-        pipeline: the stages would not carry the routing losses to the criterion."""
+        Mixture-of-experts MLPs are not tensor-parallel (their experts stay whole on every tp rank);
+        expert parallelism splits them (`experts`: each MoE block's GroupedExperts). A model with
+        them declares no pipeline: the stages would not carry the routing losses to the criterion."""
         from .pipeline import pipeline_plan  # imports this module
 
         n = self.config.n_layers
@@ -287,5 +287,6 @@ class TabFM(nn.Module):
             shared_row_keys=self.config.n_thinking_rows,  # the thinking rows lead every rank's keys
             row_statistics=["encoder.stats"],
             num_heads=self.config.n_heads,
+            experts=["blocks.*.mlp.experts"] if moe else [],
             pipeline=None if moe else pipeline_plan(self),
         )

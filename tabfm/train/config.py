@@ -70,6 +70,9 @@ class PretrainConfig:
                    row-sequence-parallel ranks (each table's rows split); the remaining
                    world / (tp x sp) ranks are data parallel. Ranks of one tp x sp group train on
                    the same batches, so they add compute and memory per table, not batch size.
+    ep             plugin "hybrid" with moe_experts E: expert-parallel ranks, a factor of the data-parallel
+                   ones (world / (tp x sp x pp)); each holds E / ep experts of every MoE layer, tokens
+                   cross ranks by all_to_all (tabfm.parallel.expert_parallel); not with pp
     pp             plugin "hybrid": pipeline stages (the model's blocks cut into pp stages of equal
                    depth; the world / (tp x pp) remaining ranks are data parallel); with tp and with
                    dp, not (yet) with sp or grad_accum > 1 (raise `microbatches` instead)
@@ -131,6 +134,7 @@ class PretrainConfig:
     tp: int = 1
     sp: int = 1
     pp: int = 1
+    ep: int = 1
     gemini_budget_mib: float | None = None
     gemini_placement: str | None = None
     gemini_offload_optim: float | None = None
@@ -240,12 +244,17 @@ class PretrainConfig:
              f"--zero-stage {self.zero_stage} with --plugin {self.plugin}: --zero-stage applies to --plugin zero "
              "(1 or 2; ZeRO-3 is --plugin fsdp) and --plugin hybrid (2 or 3: FSDP2 over the data-parallel "
              "and row-sequence ranks)")
-        for name in ("tp", "sp", "pp"):
+        for name in ("tp", "sp", "pp", "ep"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
             need(getattr(self, name) == 1 or self.plugin == "hybrid", name,
                  f"--{name} splits the model or its tables over ranks; it needs --plugin hybrid (not {self.plugin})")
         need(self.microbatches == 1 or self.data is None, "microbatches",
              "cuts the synthetic stream's batches (a multiple of M tables each); not with --data")
+        if self.ep > 1:
+            need(self.moe_experts > 0 and self.moe_experts % self.ep == 0, "ep",
+                 f"--ep {self.ep} spreads the experts of mixture-of-experts layers over ranks: it needs "
+                 f"--moe-experts E with E divisible by {self.ep} (got {self.moe_experts})")
+            need(self.pp == 1, "ep", "--ep with --pp: a model with experts has no pipeline stages")
         if self.pp > 1:
             need(self.microbatches >= self.pp, "microbatches",
                  f"--pp {self.pp} streams micro-batches through {self.pp} stages: --microbatches must be >= {self.pp}")

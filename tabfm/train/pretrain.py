@@ -90,7 +90,8 @@ def build_plugin(cfg: PretrainConfig) -> Plugin:
     if cfg.plugin == "hybrid":
         from tabfm.parallel.plugins.hybrid import HybridParallelPlugin
 
-        return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, pp_size=cfg.pp, zero_stage=cfg.zero_stage or 0,
+        return HybridParallelPlugin(tp_size=cfg.tp, sp_size=cfg.sp, pp_size=cfg.pp, ep_size=cfg.ep,
+                                    zero_stage=cfg.zero_stage or 0,
                                     device=cfg.device,
                                     num_microbatches=cfg.microbatches if cfg.pp > 1 else None)
     from tabfm.parallel.plugins.fsdp import TorchFSDPPlugin
