@@ -7,9 +7,9 @@ applies, each step only when asked for, in place:
 
 1. tensor parallel      the plan's `tp_plan` layers become DTensor shards over `tp_mesh`
                         (`parallelize_module`; parallel.tensor_parallel)
-   expert parallel      the plan's `experts` are sharded on their expert dim over `ep_mesh`, their
-                        dispatch buffers exchanged by all_to_all (`distribute_module`;
-                        parallel.expert_parallel)
+   expert parallel      the plan's `experts` are sharded on their expert dim over the "ep" dim of
+                        `expert_mesh` (and their width over its "tp" dim), their dispatch buffers
+                        exchanged by all_to_all (`distribute_module`; parallel.expert_parallel)
 2. row-sequence         forward hooks on the plan's row-attention key seams and row-statistics
                         modules gather / reduce over `sp_group` (parallel.sequence_parallel)
 3. activation ckpt      every `plan.blocks` module recomputed in backward (parallel.activation_checkpointing)
@@ -66,17 +66,18 @@ def resolve_blocks(model: nn.Module, blocks: Sequence[str]) -> list[tuple[str, n
     return sorted(units, key=lambda u: -u[0].count("."))
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, ep_mesh: Any = None,
+def parallelize(model: nn.Module, plan: ParallelPlan, *, tp_mesh: Any = None, expert_mesh: Any = None,
                 sp_group: Any = None, activation_checkpointing: bool = False, compile: bool = False,
                 fully_shard_kwargs: dict[str, Any] | None = None) -> Parallelized:
-    """Apply tensor and expert parallel (over `tp_mesh`, `ep_mesh`), row-sequence parallel (over
-    `sp_group`), activation checkpointing, torch.compile and FSDP2 (`fully_shard_kwargs`, None:
-    not sharded) to `model`, in that order and in place."""
+    """Apply tensor parallel (over `tp_mesh`) and expert parallel (over `expert_mesh`, dims "ep"
+    and / or "tp"), row-sequence parallel (over `sp_group`), activation checkpointing,
+    torch.compile and FSDP2 (`fully_shard_kwargs`, None: not sharded) to `model`, in that order
+    and in place."""
     done = Parallelized()
     if tp_mesh is not None and tp_mesh.size() > 1:
         done.tp_styles = parallelize_tensor(model, tp_mesh, plan)
-    if ep_mesh is not None and ep_mesh.size() > 1:
-        done.experts = parallelize_experts(model, ep_mesh, plan)
+    if expert_mesh is not None and expert_mesh.size() > 1:
+        done.experts = parallelize_experts(model, expert_mesh, plan)
     if sp_group is not None:
         done.row_hooks = parallelize_rows(model, plan, sp_group)
     if activation_checkpointing:

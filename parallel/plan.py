@@ -57,6 +57,9 @@ class ParallelPlan:
     experts         module-name patterns (fnmatch) of grouped-expert modules: parameters with
                     the expert on dim 0, forward (E, slots, d) dispatch buffer -> (E, slots, d');
                     expert parallelism shards them over ep ranks (parallel.expert_parallel).
+    expert_tp       parameter name (of an experts module) -> the dim tensor parallelism splits
+                    inside each expert (e.g. {"w1": 1, "w2": 2}: the hidden width); empty: the
+                    experts stay whole on every tp rank.
     pipeline        how to cut the model into pipeline stages (None: it cannot be pipelined).
     """
 
@@ -67,6 +70,7 @@ class ParallelPlan:
     row_statistics: list[str] = field(default_factory=list)
     num_heads: int = 1
     experts: list[str] = field(default_factory=list)
+    expert_tp: dict[str, int] = field(default_factory=dict)
     pipeline: PipelinePlan | None = None
 
     def __post_init__(self) -> None:

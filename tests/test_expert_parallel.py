@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.model.moe import MoEMLP
 from tabfm.parallel import Booster, ParallelPlan, SingleProcessPlugin
-from tabfm.parallel.expert_parallel import check_ep_layout, parallelize_experts
+from tabfm.parallel.expert_parallel import check_expert_layout, parallelize_experts
 from tests.dist_utils import run_distributed
 from tests.test_hybrid import full, make_batch, micro_batches
 
@@ -78,15 +78,16 @@ def _module(rank, world):
     return out
 
 
-def _train(rank, world, ep=1, zero=0, accum=1, ckpt_root=None, load=None, steps=STEPS, tp=1, sp=1):
+def _train(rank, world, ep=1, zero=0, accum=1, ckpt_root=None, load=None, steps=STEPS, tp=1, sp=1, one=False):
     from tabfm.parallel import HybridParallelPlugin
 
-    plugin = HybridParallelPlugin(ep_size=ep, zero_stage=zero, tp_size=tp, sp_size=sp)
+    plugin = SingleProcessPlugin(device="cpu") if one else HybridParallelPlugin(ep_size=ep, zero_stage=zero,
+                                                                                tp_size=tp, sp_size=sp)
     booster = Booster(plugin)
     module = make_model(seed=rank)  # differs per rank: rank 0's must win
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
     model, opt, crit, _, _ = booster.boost(module, opt, masked_cell_loss)
-    res = {"dp_rank": plugin.dp_rank, "layout": plugin.layout()}
+    res = {"dp_rank": plugin.dp_rank, "sp_rank": getattr(plugin, "sp_rank", 0), "layout": {"ep": 1, **plugin.layout()}}
     if load is not None:  # a checkpoint of another layout, loaded here: its weights come back
         booster.load_checkpoint(load, model=model, optimizer=opt, restore_rng=False)
         res["loaded"] = {n: full(p) for n, p in module.named_parameters()}
@@ -114,7 +115,8 @@ def _train(rank, world, ep=1, zero=0, accum=1, ckpt_root=None, load=None, steps=
         if ckpt_root is not None and step == steps - 1:
             res["ckpt"] = str(booster.save_checkpoint(Path(ckpt_root) / "step_000003", model=model, optimizer=opt))
     res["params"] = {n: full(p) for n, p in module.named_parameters()}
-    res["local_experts"] = tuple(module.blocks[0].mlp.experts.w1.to_local().shape) if ep > 1 else None
+    w1 = module.blocks[0].mlp.experts.w1
+    res["local_experts"] = tuple(w1.to_local().shape) if hasattr(w1, "to_local") else None
     if ckpt_root is not None:
         res["export"] = str(booster.export(model, Path(ckpt_root) / "export", {"model": module.config.to_dict()}))
     return res
@@ -168,6 +170,8 @@ def worker_2(rank, world, root):
         "dp2_accum": lambda: _train(rank, world, accum=2),
         "ep2_zero2": lambda: _train(rank, world, ep=2, zero=2),
         "ep2_to_dp2": lambda: _train(rank, world, load=str(Path(root) / "step_000003")),
+        "tp2": lambda: _train(rank, world, tp=2),  # each expert's width over the 2 ranks
+        "one": lambda: _train(rank, world, one=True),  # one process, every expert whole, the same tables
         "errors": lambda: _errors(rank, world),
     })
 
@@ -177,10 +181,9 @@ def worker_4(rank, world, ckpt):
         "ep2dp2": lambda: _train(rank, world, ep=2),
         "dp4": lambda: _train(rank, world),
         "ep2_to_ep4": lambda: _train(rank, world, ep=4, load=ckpt),
-        "ep2tp2": lambda: _train(rank, world, ep=2, tp=2, steps=2),
-        "tp2dp2": lambda: _train(rank, world, tp=2, steps=2),
-        "ep2sp2": lambda: _train(rank, world, ep=2, sp=2, steps=2),
-        "sp2dp2": lambda: _train(rank, world, sp=2, steps=2),
+        "ep2tp2": lambda: _train(rank, world, ep=2, tp=2),
+        "ep2sp2": lambda: _train(rank, world, ep=2, sp=2),
+        "sp2dp2": lambda: _train(rank, world, sp=2),
     })
 
 
@@ -209,14 +212,20 @@ def _close(a: dict, b: dict, tol: float, what: str) -> None:
 
 def test_layout_checks_without_processes():
     model = make_model()
-    assert check_ep_layout(model, model.parallel_plan(), 2) == ["blocks.0.mlp.experts", "blocks.1.mlp.experts"]
+    plan = model.parallel_plan()
+    assert check_expert_layout(model, plan, 2) == ["blocks.0.mlp.experts", "blocks.1.mlp.experts"]
+    assert check_expert_layout(model, plan, 2, tp=4) == ["blocks.0.mlp.experts", "blocks.1.mlp.experts"]
     with pytest.raises(ValueError, match="has 4 experts, not divisible by ep=3"):
-        check_ep_layout(model, model.parallel_plan(), 3)
+        check_expert_layout(model, plan, 3)
+    with pytest.raises(ValueError, match=r"w1 has 32 on dim 1, not divisible by tp=3"):
+        check_expert_layout(model, plan, 1, tp=3)
+    with pytest.raises(ValueError, match="expert_tp gives blocks.0.mlp.experts.w1 no dim"):
+        check_expert_layout(model, ParallelPlan(experts=plan.experts), 1, tp=2)
     dense = make_model(moe_experts=0, moe_top_k=1)
     with pytest.raises(ValueError, match="has none"):
-        check_ep_layout(dense, dense.parallel_plan(), 2)
+        check_expert_layout(dense, dense.parallel_plan(), 2)
     with pytest.raises(ValueError, match="matches no submodule"):
-        check_ep_layout(model, ParallelPlan(experts=["blocks.*.ffn"]), 2)
+        check_expert_layout(model, ParallelPlan(experts=["blocks.*.ffn"]), 2)
 
 
 @pytest.mark.slow
@@ -247,6 +256,18 @@ def test_ep_training_equals_the_same_ranks_without_ep(results_2, ep_name, ref_na
         _close(a["params"], b["params"], PARAM_TOL, f"{ep_name} vs {ref_name}")
     assert ep[0]["local_experts"] == (2, 32, 16)  # half of the 4 experts on each rank
     assert sum(ep[0]["dropped"]) > 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_experts_equal_one_process(results_2):
+    """tp 2 on a MoE model: attention heads and each expert's hidden width split over 2 ranks."""
+    tp, one = _get(results_2, "tp2"), _get(results_2, "one")
+    assert tp[0]["local_experts"] == (4, 16, 16) and one[0]["local_experts"] is None
+    for a in tp:
+        assert a["dropped"] == one[0]["dropped"] and sum(a["dropped"]) > 0
+        assert max(abs(x - y) for x, y in zip(a["losses"], one[0]["losses"])) <= LOSS_TOL
+        _close(a["grads"], one[0]["grads"], OUT_TOL, "tp2 vs one process gradients")
+        _close(a["params"], one[0]["params"], PARAM_TOL, "tp2 vs one process")
 
 
 @pytest.mark.slow
@@ -292,10 +313,16 @@ def test_ep2_with_dp_tp_sp_and_resharding_to_ep4(results_2, tmp_path):
     saved = _get(results_2, "ep2")[0]["params"]
     for r in _get(results, "ep2_to_ep4"):
         _close(r["loaded"], saved, 0.0, "loaded at ep 4")
-    for ep_name, ref_name in (("ep2tp2", "tp2dp2"), ("ep2sp2", "sp2dp2")):  # experts whole on tp / sp peers
-        ep, ref = _get(results, ep_name), _get(results, ref_name)
-        for a, b in zip(ep, ref):
-            assert a["dp_rank"] == b["dp_rank"] and a["dropped"] == b["dropped"]
-            assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= LOSS_TOL
-            _close(a["grads"], b["grads"], OUT_TOL, f"{ep_name} vs {ref_name} gradients")
-            _close(a["params"], b["params"], PARAM_TOL, f"{ep_name} vs {ref_name}")
+    # ep 2 beside tp 2 (each expert's width split too): the 2 data-parallel ranks of the
+    # 2-process dp run, whose experts are whole on every rank. Beside sp 2: the same 4 ranks
+    # without ep (under sp a rank routes its own rows, with its own capacity, as without ep)
+    dp2 = {r["dp_rank"]: r for r in _get(results_2, "dp2")}
+    sp2 = {(r["dp_rank"], r["sp_rank"]): r for r in _get(results, "sp2dp2")}
+    for name, ref in (("ep2tp2", lambda r: dp2[r["dp_rank"]]), ("ep2sp2", lambda r: sp2[r["dp_rank"], r["sp_rank"]])):
+        for a in _get(results, name):
+            b = ref(a)
+            assert a["dropped"] == b["dropped"], name
+            assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= LOSS_TOL, name
+            _close(a["grads"], b["grads"], OUT_TOL, f"{name} gradients")
+            _close(a["params"], b["params"], PARAM_TOL, name)
+    assert _get(results, "ep2tp2")[0]["local_experts"] == (2, 16, 16)  # 2 of 4 experts, half of 32 wide

@@ -61,11 +61,12 @@ LAYOUTS: dict[str, tuple[list[str], int, int]] = {
     # experts over the 2 data-parallel ranks; the reference is the same mixture-of-experts model
     # in one process (its micro-batches route as each rank's batch does, capacity included)
     "ep": (["--plugin", "hybrid", "--ep", "2", "--moe-experts", "4", "--moe-top-k", "2"], 2, 2),
+    "tp-moe": (["--plugin", "hybrid", "--tp", "2", "--moe-experts", "4", "--moe-top-k", "2"], 2, 1),  # expert width over tp
 }
 MODEL_FLAGS = ("--moe-experts", "--moe-top-k")  # layout flags that change the model: the reference takes them too
 MUON_REFUSED = {"gemini", "gemini-auto", "gemini-disk"}  # Gemini steps AdamW on its chunks
 CI_ROWS = [  # the suite's budget: gemini auto/disk run one process against --plugin single in test_pretrain_gemini
-    *[(layout, "adamw", "fp32") for layout in LAYOUTS if layout not in ("pp-tp", "gemini-auto", "gemini-disk")],
+    *[(layout, "adamw", "fp32") for layout in LAYOUTS if layout not in ("pp-tp", "gemini-auto", "gemini-disk", "tp-moe")],
     ("fsdp", "muon", "fp32"), ("pp", "muon", "fp32"),
     ("fsdp", "adamw", "bf16"),
 ]

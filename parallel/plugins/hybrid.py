@@ -14,7 +14,8 @@ Composition, in the torchtitan order, of what the model's `ParallelPlan` declare
                       (`tabfm.parallel.expert_parallel`). ep ranks are data-parallel ranks (each
                       sees its own batches): expert gradients are reduced over the dp ranks that
                       hold the same experts, everything else over all of dp × sp. Under ZeRO the
-                      experts stay out of FSDP (ignored parameters, sharded by ep alone).
+                      experts stay out of FSDP (ignored parameters, sharded by ep alone). Under tp
+                      each expert's width is split over tp as well (the plan's `expert_tp`).
     row-sequence      each sp rank gets a contiguous slice of every table's rows; row attention
                       all-gathers K/V over mesh["sp"], row statistics are all-reduced
                       (`tabfm.parallel.sequence_parallel`); the loss is the sp group's global mean.
@@ -78,7 +79,7 @@ from ..sequence_parallel import (
     sync_rng_state,
 )
 from ..sharded_checkpoint import ShardedCheckpointIO
-from ..expert_parallel import check_ep_layout
+from ..expert_parallel import check_expert_layout, resolve_experts
 from ..tensor_parallel import check_tp_layout
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from .ddp import _require_process_group
@@ -174,7 +175,6 @@ class HybridParallelPlugin(Plugin):
         self.pp_mesh = sub_mesh(self.mesh, "pp")
         self.tp_mesh = sub_mesh(self.mesh, "tp")
         self.sp_mesh = sub_mesh(self.mesh, "sp")
-        self.ep_mesh = sub_mesh(self.mesh, "ep")
         self.grad_mesh = sub_mesh(self.mesh, "dp_shard", "ep", "sp")  # ranks holding the same parameters
         self.expert_grad_mesh = sub_mesh(self.mesh, "dp_shard", "sp")  # ... and the same experts (under ep)
         self.rng_mesh = sub_mesh(self.mesh, "sp", "tp")  # ranks computing on the same tables
@@ -252,15 +252,16 @@ class HybridParallelPlugin(Plugin):
                        if self.tp_size * self.sp_size * self.ep_size > 1 else None)
         if self.tp_size > 1:  # every check before the first collective
             check_tp_layout(model, plan, self.tp_size)
-        if self.ep_size > 1:
-            check_ep_layout(model, plan, self.ep_size)
+        experts = resolve_experts(model, plan)
+        if experts or self.ep_size > 1:
+            check_expert_layout(model, plan, self.ep_size, self.tp_size if plan.expert_tp else 1)
         group_names = _param_names_by_group(model, optimizer) if optimizer is not None else []
         model.to(self.device)
         with torch.no_grad():  # like DDP: rank 0's parameters and buffers are the model
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=0)
         done = parallelize(model, plan, tp_mesh=self.tp_mesh if self.tp_size > 1 else None,
-                           ep_mesh=self.ep_mesh if self.ep_size > 1 else None, sp_group=self._group(self.sp_mesh) if self.sp_size > 1 else None,
+                           expert_mesh=self._expert_mesh(plan) if experts else None, sp_group=self._group(self.sp_mesh) if self.sp_size > 1 else None,
                            activation_checkpointing=self.activation_checkpointing, compile=self.compile,
                            fully_shard_kwargs=self._fully_shard_kwargs(model) if self.zero_stage else None)
         self.tp_styles = done.tp_styles
@@ -280,6 +281,12 @@ class HybridParallelPlugin(Plugin):
         if criterion is not None and self.sp_size > 1:
             criterion = RowShardedCriterion(criterion, sharded, count=self.loss_count)
         return self.wrap_model(model, sharded), wrapped_optimizer, criterion, dataloader, lr_scheduler
+
+    def _expert_mesh(self, plan: ParallelPlan) -> Any:
+        """The mesh the experts are split over: "ep" when ep > 1, and "tp" when tp > 1 and the plan
+        says how to split an expert's width (None: neither; the experts are ordinary parameters)."""
+        dims = tuple(d for d, size in (("ep", self.ep_size), ("tp", self.tp_size if plan.expert_tp else 1)) if size > 1)
+        return None if not dims else self.mesh[dims if len(dims) > 1 else dims[0]]
 
     @contextlib.contextmanager
     def evaluation(self, model: ModelWrapper) -> Iterator[nn.Module]:

@@ -266,9 +266,10 @@ class TabFM(nn.Module):
     def parallel_plan(self) -> ParallelPlan:
         """How the engine may split this model (see parallel/plan.py; pipeline stages: .pipeline).
 
-        Mixture-of-experts MLPs are not tensor-parallel (their experts stay whole on every tp rank);
-        expert parallelism splits them (`experts`: each MoE block's GroupedExperts). A model with
-        them declares no pipeline: the stages would not carry the routing losses to the criterion."""
+        Mixture-of-experts MLPs: expert parallelism splits the experts of each MoE block's
+        GroupedExperts (`experts`), tensor parallelism each expert's hidden width (`expert_tp`). A
+        model with them declares no pipeline: the stages would not carry the routing losses to
+        the criterion."""
         from .pipeline import pipeline_plan  # imports this module
 
         n = self.config.n_layers
@@ -288,5 +289,6 @@ class TabFM(nn.Module):
             row_statistics=["encoder.stats"],
             num_heads=self.config.n_heads,
             experts=["blocks.*.mlp.experts"] if moe else [],
+            expert_tp={"w1": 1, "w2": 2} if moe else {},  # (E, hidden, d) and (E, d, hidden)
             pipeline=None if moe else pipeline_plan(self),
         )
