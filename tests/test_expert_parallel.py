@@ -4,8 +4,9 @@
   counts and router gradient equal a full local copy's on the same tokens, and each expert's
   gradient equals the sum over ranks of the full copies' gradients (the tokens of every peer
   reach it).
-- Training through HybridParallelPlugin(ep_size=...): losses, dropped counts and every parameter
-  after AdamW steps equal the same layout without ep (ep_size=1: every rank holds all experts,
+- Training through HybridParallelPlugin(ep_size=...): losses, dropped counts, gradients and every
+  parameter after AdamW steps equal one process accumulating the ranks' batches, and the same
+  layout without ep (ep_size=1: every rank holds all experts,
   which test_hybrid checks against one process), with gradient accumulation, under ZeRO-2, and
   with dp 2, tp 2 or sp 2 beside ep 2 (4 processes).
 - Checkpoints reshard: saved at ep 2, loaded in one process (whole experts), at ep 1 × dp 2
@@ -78,7 +79,8 @@ def _module(rank, world):
     return out
 
 
-def _train(rank, world, ep=1, zero=0, accum=1, ckpt_root=None, load=None, steps=STEPS, tp=1, sp=1, one=False):
+def _train(rank, world, ep=1, zero=0, accum=1, ckpt_root=None, load=None, steps=STEPS, tp=1, sp=1, one=False,
+           tables=None):
     from tabfm.parallel import HybridParallelPlugin
 
     plugin = SingleProcessPlugin(device="cpu") if one else HybridParallelPlugin(ep_size=ep, zero_stage=zero,
@@ -97,8 +99,9 @@ def _train(rank, world, ep=1, zero=0, accum=1, ckpt_root=None, load=None, steps=
     res.update(losses=[], dropped=[])
     for step in range(steps):
         total, dropped = 0.0, 0
-        for i, micro in enumerate(micro_batches(make_batch(step, b=B * dp // 2), dp, dp_rank, accum)):
-            torch.manual_seed(100 + step + 10 * dp_rank)
+        batch = make_batch(step, b=tables or B * dp // 2)
+        for i, micro in enumerate(micro_batches(batch, dp, dp_rank, accum)):
+            torch.manual_seed(100 + step + 10 * (dp_rank * accum + i))  # by global micro-batch
             with booster.no_sync(model, opt) if i < accum - 1 else _null():
                 output = model(micro)
                 loss, metrics = crit(output, micro)
@@ -172,6 +175,7 @@ def worker_2(rank, world, root):
         "ep2_to_dp2": lambda: _train(rank, world, load=str(Path(root) / "step_000003")),
         "tp2": lambda: _train(rank, world, tp=2),  # each expert's width over the 2 ranks
         "one": lambda: _train(rank, world, one=True),  # one process, every expert whole, the same tables
+        "one_accum2": lambda: _train(rank, world, one=True, accum=2, tables=B),  # the 2 ranks' tables in turn
         "errors": lambda: _errors(rank, world),
     })
 
@@ -256,6 +260,18 @@ def test_ep_training_equals_the_same_ranks_without_ep(results_2, ep_name, ref_na
         _close(a["params"], b["params"], PARAM_TOL, f"{ep_name} vs {ref_name}")
     assert ep[0]["local_experts"] == (2, 32, 16)  # half of the 4 experts on each rank
     assert sum(ep[0]["dropped"]) > 0
+
+
+@pytest.mark.slow
+def test_ep2_training_equals_one_process_holding_every_expert(results_2):
+    """ep 2 against one process accumulating the two ranks' batches (every expert whole)."""
+    ep, one = _get(results_2, "ep2"), _get(results_2, "one_accum2")[0]
+    assert [sum(d) for d in zip(*(r["dropped"] for r in ep))] == one["dropped"]
+    for step, loss in enumerate(one["losses"]):
+        assert abs((ep[0]["losses"][step] + ep[1]["losses"][step]) / 2 - loss) <= LOSS_TOL
+    for r in ep:
+        _close(r["grads"], one["grads"], OUT_TOL, "ep2 vs one process gradients")
+        _close(r["params"], one["params"], PARAM_TOL, "ep2 vs one process")
 
 
 @pytest.mark.slow
