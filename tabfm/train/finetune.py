@@ -133,8 +133,9 @@ class FinetuneConfig:
     zero_stage: int | None = None
     tp: int = 1
     sp: int = 1
-    pp = 1  # not a field: fine-tuning runs no pipeline stages (build_plugin reads these two)
+    pp = 1  # not fields: fine-tuning runs no pipeline stages and no expert parallelism (build_plugin reads these)
     microbatches = 1
+    ep = 1
     lora_rank: int | None = None
     lora_alpha: float | None = None
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
