@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from tabfm.model.moe import MoEMLP
 from tabfm.parallel import Booster, ParallelPlan, SingleProcessPlugin
 from tabfm.parallel.expert_parallel import check_expert_layout, parallelize_experts
 from tests.dist_utils import run_distributed
-from tests.test_hybrid import full, make_batch, micro_batches
+from tests.test_hybrid import _get, _null, _run_all, full, make_batch, micro_batches
 
 MOE = dict(d_model=16, n_layers=2, n_heads=4, mlp_ratio=2.0, n_bins=16, id_dim=8, max_categories=4,
            n_thinking_rows=2, moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0)
@@ -145,25 +144,6 @@ def _errors(rank, world):
     return out
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _run_all(scenarios: dict) -> dict:
-    out = {}
-    for name, fn in scenarios.items():
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    return out
-
-
 def worker_2(rank, world, root):
     return _run_all({
         "module": lambda: _module(rank, world),
@@ -195,14 +175,6 @@ def worker_4(rank, world, ckpt):
 def results_2(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep2")
     return run_distributed(worker_2, world_size=2, args=(str(root),), timeout_s=240)
-
-
-def _get(results, name):
-    ranks = [r[name] for r in results]
-    for r in ranks:
-        if isinstance(r, dict) and "error" in r:
-            pytest.fail(f"scenario {name} failed:\n{r['error']}")
-    return ranks
 
 
 def _close(a: dict, b: dict, tol: float, what: str) -> None:
