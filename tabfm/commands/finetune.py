@@ -2,7 +2,8 @@
 
     tabfm finetune --data PATH --target COL --out DIR [--task classification|regression]
                    [--init tabfm-tiny-cf | EXPORT_DIR] [--steps N] [--max-minutes M] [--lr LR]
-                   [--replay FRACTION] [--holdout FRACTION] [--plugin single|ddp|zero|fsdp|hybrid]
+                   [--replay FRACTION [--replay-data PATH ...] [--replay-stream PRESET|none]]
+                   [--holdout FRACTION] [--holdout-tables K] [--plugin single|ddp|zero|fsdp|hybrid]
                    [--lora-rank R [--lora-alpha A] [--lora-targets PATTERNS]]
 
 PATH is a CSV, a Parquet file, a directory of them, or a table store. A share of each table's
@@ -11,6 +12,10 @@ episodes of the other rows and is scored in context on the held-out rows before 
 every --eval-every steps. The best weights go to DIR/export (load them with
 TabFMClassifier(model="DIR/export")); a before/after table is printed and written to
 DIR/finetune_summary.json. Rerunning the same command resumes from DIR/checkpoints.
+--holdout-tables K keeps K whole tables of a store / directory out of training and scores them
+the same way (holdout_tables/... in the metrics and the summary). --replay F replays a share F
+of the batches against forgetting: from the synthetic prior, or with --replay-data OLD (repeat
+the flag for more) from episodes of earlier tables.
 Many processes: torchrun --nproc_per_node N -m tabfm.cli finetune --plugin ddp ...
 """
 from __future__ import annotations
@@ -33,20 +38,25 @@ _FIELDS = {
     "eval_every": int, "patience": int, "ckpt_every": int, "keep_last": int, "log_every": int, "device": str,
     "min_rows": int, "max_rows": int, "cells_per_batch": int, "imputation": float, "categorical": str,
     "eval_estimators": int, "eval_rows": int, "replay_stream": str, "lora_rank": int, "lora_alpha": float,
-    "report": str,
+    "report": str, "holdout_tables": int,
 }
 _CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity"),
-            "replay_stream": STREAM_PRESETS}
+            "replay_stream": (*STREAM_PRESETS, "none")}
 # the defaults named are those of the default preset (FinetuneConfig); --preset smoke / long change some
 _HELP = {
     "init": "starting weights: a shipped model name or an export directory (default tabfm-tiny-cf)",
     "steps": "optimizer steps of the whole run, also the length of the cosine schedule (default 300)",
     "max_minutes": "wall-clock budget of this invocation in minutes; rerunning the command resumes (default: none)",
     "lr": "peak learning rate (default 1e-4)",
-    "replay": "share of batches drawn from the synthetic prior, against forgetting it (default 0)",
+    "replay": "share of batches replayed against forgetting, drawn per batch from the seed: from the synthetic "
+              "prior, or from --replay-data's tables (default 0)",
     "holdout": "share of each table's rows held out for evaluation, stratified for classification (default 0.2)",
+    "holdout_tables": "K: hold K whole tables of the --data store or directory out of training (an integer count, "
+                      "chosen from --seed; at least one table must remain). They are scored in context on their "
+                      "own held-out rows before and during fine-tuning, reported as holdout_tables/..., and never "
+                      "used for early stopping (default 0)",
     "threads": "torch intra-op threads (default: torch's; 1 is fastest on a busy 2-core machine)",
-    "seed": "seed of the held-out split, the episodes, the replay draw and the evaluation (default 0)",
+    "seed": "seed of the held-out split and tables, the episodes, the replay draw and the evaluation (default 0)",
     "optimizer": "adamw (default) or muon",
     "precision": "auto (default: bf16 on CUDA and on CPUs with tabfm's bf16 kernels, else fp32), fp32, bf16 or fp16",
     "warmup_steps": "steps of linear learning-rate warm-up (default 20)",
@@ -67,7 +77,9 @@ _HELP = {
                    "the estimators show them; default) or identity (categorical cells)",
     "eval_estimators": "ensemble members of the held-out evaluation (default 4)",
     "eval_rows": "held-out rows scored per table; a fixed random subset beyond (default 2048)",
-    "replay_stream": "StreamConfig preset of the --replay batches (default pretrain)",
+    "replay_stream": "synthetic prior preset of the --replay batches, or none (default: pretrain without "
+                     "--replay-data, none with it; a preset together with --replay-data replays both, half the "
+                     "replayed batches each)",
     "lora_rank": "train low-rank adapters of rank R on the blocks' attention and MLP projections instead of every "
                  "weight (the rest frozen; merged into the weights at export; default: full fine-tuning)",
     "lora_alpha": "--lora-rank: the adapters' update is scaled by ALPHA / R (default R: by 1)",
@@ -93,6 +105,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "row-sequence ranks; default replicated)")
     p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table (not with LoRA)")
     p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
+    p.add_argument("--replay-data", dest="replay_data", action="append", default=None, metavar="PATH",
+                   help="--replay: replay episodes of these tables (CSV, Parquet, directory or table store; repeat "
+                        "the flag for more). A store's headers supply each table's target, which may differ from "
+                        "--target; other tables need the --target column. Only their training rows (split as "
+                        "--holdout splits) are replayed, never a --data table; the prior is off unless "
+                        "--replay-stream names a preset")
     p.add_argument("--lora-targets", dest="lora_targets", default=None, metavar="PATTERNS",
                    help="--lora-rank: comma-separated module-name patterns of the adapted linear layers (default "
                         "blocks.*.col_attn.qkv,blocks.*.col_attn.out,blocks.*.row_attn.qkv,blocks.*.row_attn.out,"
@@ -112,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> "FinetuneConfig":
 
     overrides = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
     overrides.update(data=args.data, target=args.target, task=args.task, plugin=args.plugin)
+    if args.replay_data:
+        overrides["replay_data"] = tuple(args.replay_data)
     if args.lora_targets is not None:
         if args.lora_rank is None:
             raise ValueError("--lora-targets needs --lora-rank")

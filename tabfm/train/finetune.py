@@ -5,8 +5,11 @@ any export), reads the tables `cfg.data` names (a CSV, a Parquet file, a directo
 store: anything `tabfm.data.readers.read_tables` accepts), holds out a share of each table's rows
 (stratified by class for classification), and trains on episodes cut from the remaining rows
 (`tabfm.data.table_episodes`): random context / query splits predicting the target, and random cell
-masking (imputation). Optionally a share of the batches replays the synthetic prior stream to
-limit forgetting.
+masking (imputation). Optionally a share of the batches replays, to limit forgetting: the synthetic prior
+stream, or episodes of earlier tables (`replay_data`, posed by the same sampler), or both.
+With `holdout_tables` K, K whole tables of `data` (chosen from the seed) are never trained on:
+they are scored in context on their own held-out rows beside the training tables, a measure of
+what fine-tuning does to tables it has not seen.
 
 Held-out rows are scored in context the way the estimators will use the result
 (`TabFMClassifier` / `TabFMRegressor` with the training rows as context): before training and
@@ -36,9 +39,10 @@ import pandas as pd
 import torch
 from torch import nn
 
+from tabfm.data.encode import encode_frame
 from tabfm.data.readers import read_tables
 from tabfm.data.table_episodes import (
-    CATEGORICAL_MODES, CLASSIFICATION, PREDICTION_TASKS, EpisodeConfig, EpisodeTable,
+    CATEGORICAL_MODES, CLASSIFICATION, IMPUTATION, PREDICTION_TASKS, EpisodeConfig, EpisodeInfo, EpisodeTable,
     TableEpisodeSampler, holdout_split, infer_task,
 )
 from tabfm.parallel import Booster, Plugin, latest_checkpoint
@@ -55,8 +59,12 @@ from tabfm.weights import DEFAULT_MODEL
 
 SUMMARY_FILE = "finetune_summary.json"
 HOLDOUT_FILE = "holdout_rows.json"
-RUN_KEYS = ("target", "task", "init", "seed", "holdout", "optimizer", "categorical", "lora")  # must match to resume
+RUN_KEYS = ("target", "task", "init", "seed", "holdout", "holdout_tables", "optimizer", "categorical",
+            "lora")  # must match to resume
+_RUN_DEFAULTS = {"holdout_tables": 0}  # what a record written before a key existed meant by it
 _REPLAY = 3  # spawn-key domain of the per-position replay draw
+_HOLDOUT_TABLES = 4  # spawn-key domain of the choice of held-out tables
+NO_STREAM = "none"  # replay_stream: no synthetic replay
 
 
 # --------------------------------------------------------------------------- configuration
@@ -73,7 +81,15 @@ class FinetuneConfig:
     steps          optimizer steps of the whole run (and of the cosine schedule); max_minutes: this invocation
     holdout        share of each table's rows held out for evaluation (stratified for classification);
                    they never enter a training episode
-    replay         share of batches drawn from the synthetic prior stream `replay_stream` (limits forgetting)
+    holdout_tables K >= 1: K whole tables of `data` (chosen from the seed) are never trained on; they are
+                   scored in context on their own held-out rows (`holdout_tables/...`), not for early stopping
+    replay         share of batches replayed against forgetting (drawn per position from the seed, the same
+                   on every rank): from the synthetic prior stream `replay_stream`, and / or from episodes of
+                   the tables `replay_data` names (paths read as `data` is; a store's headers supply each
+                   table's target, --target the others'; their training rows only, split as `holdout` splits)
+    replay_stream  the prior's StreamConfig preset, or "none"; None: "pretrain" without `replay_data`,
+                   "none" with it. A preset together with `replay_data` replays both, half the replayed
+                   batches each (a second draw of the same position)
     report         other tables (read as `data` is, same target) scored in context on their own held-out rows
                    with the starting weights and with the exported ones after the run: forgetting, measured
     min_rows .. categorical   episode shapes and mix (see tabfm.data.table_episodes.EpisodeConfig)
@@ -107,8 +123,10 @@ class FinetuneConfig:
     grad_accum: int = 1
     seed: int = 0
     holdout: float = 0.2
+    holdout_tables: int = 0
     replay: float = 0.0
-    replay_stream: str = "pretrain"
+    replay_stream: str | None = None
+    replay_data: tuple[str, ...] | None = None
     report: str | None = None
     min_rows: int = 32
     max_rows: int = 512
@@ -162,6 +180,15 @@ class FinetuneConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def replay_prior(self) -> str | None:
+        """The StreamConfig preset synthetic replay batches come from (None: no synthetic replay)."""
+        if self.replay <= 0:
+            return None
+        stream = self.replay_stream
+        if stream is None:  # the default: the prior without replay tables, none with them
+            stream = NO_STREAM if self.replay_data else "pretrain"
+        return None if stream == NO_STREAM else stream
+
     def lora(self) -> LoraConfig | None:
         """The adapters this run trains (None: full fine-tuning)."""
         if self.lora_rank is None:
@@ -189,7 +216,7 @@ class FinetuneConfig:
         for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last", "eval_estimators",
                      "eval_rows", "eval_context_rows"):
             need(integer(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
-        for name in ("warmup_steps", "seed", "patience"):
+        for name in ("warmup_steps", "seed", "patience", "holdout_tables"):
             need(integer(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.task is None or self.task in PREDICTION_TASKS, "task", f"must be one of {PREDICTION_TASKS} or None")
         need(isinstance(self.init, str) and bool(self.init), "init", "must name a shipped model or an export directory")
@@ -213,7 +240,24 @@ class FinetuneConfig:
         need(self.min_delta >= 0, "min_delta", "must be >= 0")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
         need(self.threads is None or (integer(self.threads) and self.threads >= 1), "threads", "must be None or an integer >= 1")
-        StreamConfig.preset(self.replay_stream)  # raises naming the presets
+        if self.replay_stream not in (None, NO_STREAM):
+            try:
+                StreamConfig.preset(self.replay_stream)
+            except ValueError as err:
+                raise ValueError(f"FinetuneConfig.replay_stream = {self.replay_stream!r}: {err} "
+                                 f"(or {NO_STREAM!r})") from None
+        if isinstance(self.replay_data, (str, os.PathLike)):
+            self.replay_data = (os.fspath(self.replay_data),)
+        elif self.replay_data is not None:
+            need(isinstance(self.replay_data, (list, tuple)) and len(self.replay_data) > 0
+                 and all(isinstance(p, (str, os.PathLike)) and os.fspath(p) for p in self.replay_data),
+                 "replay_data", "must be None, a path or a non-empty list of paths")
+            self.replay_data = tuple(os.fspath(p) for p in self.replay_data)
+        need(self.replay_data is None or self.replay > 0, "replay_data",
+             "needs replay > 0 (--replay F: the share of batches replayed from these tables)")
+        need(self.replay <= 0 or self.replay_prior() is not None or self.replay_data is not None, "replay_stream",
+             f"with replay = {self.replay!r} leaves nothing to replay: give replay_data (--replay-data) "
+             "or a stream preset")
         need(self.lora_rank is not None or self.lora_alpha is None, "lora_alpha", "needs lora_rank (--lora-rank)")
         try:
             self.lora()
@@ -328,6 +372,115 @@ def load_tables(source: Any, cfg: FinetuneConfig) -> list[FinetuneTable]:
     return [_prepare(t, cfg) for t in read_tables(source, target=cfg.target, task=cfg.task)]
 
 
+def _describe(source: Any, cfg: FinetuneConfig) -> str:
+    """What --data names, for records and messages."""
+    if cfg.data is not None:
+        return str(cfg.data)
+    return str(source) if isinstance(source, (str, os.PathLike)) else f"<{type(source).__name__}>"
+
+
+def holdout_table_names(names: list[str], k: int, seed: int) -> list[str]:
+    """The K tables held out whole: a seeded draw over the sorted names (so the order in which a
+    directory or a list yields them does not matter), returned sorted."""
+    order = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_HOLDOUT_TABLES,))).permutation(len(names))
+    ranked = sorted(names)
+    return sorted(ranked[i] for i in order[:k])
+
+
+def split_tables(tables: list[FinetuneTable], cfg: FinetuneConfig, data: str = "--data"
+                 ) -> tuple[list[FinetuneTable], list[FinetuneTable]]:
+    """(tables trained on, tables held out whole): `cfg.holdout_tables` of them held out, or none."""
+    k, n = cfg.holdout_tables, len(tables)
+    if k == 0:
+        return tables, []
+    if n == 1:
+        raise ValueError(f"--holdout-tables {k} holds out whole tables, but --data {data} is a single table "
+                         f"({tables[0].name}); pass a table store or a directory of several tables, or hold out "
+                         "rows only (--holdout)")
+    if k >= n:
+        raise ValueError(f"--holdout-tables {k} leaves no table to train on: --data {data} holds {n} tables "
+                         f"({', '.join(t.name for t in tables[:10])}{', ...' if n > 10 else ''}); hold out at "
+                         f"most {n - 1}")
+    held = set(holdout_table_names([t.name for t in tables], k, cfg.seed))
+    return [t for t in tables if t.name not in held], [t for t in tables if t.name in held]
+
+
+@dataclass
+class ReplayTable:
+    """One table of `replay_data`: the episodes it replays (its training rows) and what identifies it."""
+
+    name: str
+    source: str
+    target: str | None                 # None: an imputation table (a store header's task "imputation")
+    task: str
+    episodes: EpisodeTable
+    fingerprint: str
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "target": self.target, "task": self.task,
+                "rows": self.episodes.n_rows, "fingerprint": self.fingerprint}
+
+
+def load_replay_tables(cfg: FinetuneConfig) -> list[ReplayTable]:
+    """The tables `cfg.replay_data` names, ready to replay.
+
+    Each is read as `--data` is (CSV, Parquet, directory, store). Its target is its store header's
+    (it may differ from --target); a table without one (plain CSV / Parquet) uses --target and
+    --task when it has that column, and is refused otherwise. A prediction table is split exactly
+    as a fine-tuning table (`--holdout`, stratified, seeded by its name) and replays its training
+    rows only, so `--report` on the same tables (same target) scores rows replay never trained on. A store table
+    whose header says task "imputation" (no target) replays all its rows as imputation episodes."""
+    if not cfg.replay_data:
+        return []
+    out = []
+    for t in read_tables(list(cfg.replay_data)):  # no target / task forced: the headers' own
+        if t.target is None and t.task == IMPUTATION:
+            frame = t.frame.reset_index(drop=True)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    enc, _ = encode_frame(frame)
+                episodes = EpisodeTable(t.name, enc.x.numpy(), enc.kind.numpy().astype(np.int8),
+                                        enc.cardinality.numpy().astype(np.int64), IMPUTATION,
+                                        np.arange(len(frame), dtype=np.int64))
+            except ValueError as err:
+                raise ValueError(f"--replay-data: {t.source}: cannot encode the table for imputation: {err}") from None
+            out.append(ReplayTable(t.name, t.source, None, IMPUTATION, episodes, _fingerprint(frame)))
+            continue
+        if t.target is None:
+            if cfg.target is None or cfg.target not in t.frame.columns:
+                why = (f"and has no --target column {cfg.target!r}" if cfg.target is not None
+                       else "and no --target is given")
+                names = ", ".join(map(str, t.frame.columns[:40])) + (", ..." if t.frame.shape[1] > 40 else "")
+                raise ValueError(f"--replay-data: {t.source}: no target column: it is not a store table whose "
+                                 f"header names one {why} (columns: {names})")
+            t = t._replace(target=cfg.target, task=cfg.task)
+        try:
+            prepared = _prepare(t, cfg)
+        except ValueError as err:
+            raise ValueError(f"--replay-data: {err}") from None
+        out.append(ReplayTable(t.name, t.source, prepared.target, prepared.task, prepared.episodes,
+                               prepared.fingerprint))
+    return out
+
+
+def _check_replay_apart(replay: list[ReplayTable], tables: list[FinetuneTable]) -> None:
+    """Refuse a replay table with the content of a --data table: replaying it would train on that
+    table's held-out rows (or on a held-out table)."""
+    mine = {t.fingerprint: t for t in tables}
+    for r in replay:
+        if r.fingerprint in mine:
+            raise ValueError(f"--replay-data: {r.source} holds the same table as --data's {mine[r.fingerprint].source} "
+                             f"({mine[r.fingerprint].name!r}); replaying it would train on rows fine-tuning holds "
+                             "out. Replay other tables")
+
+
+def replay_tables_seed(seed: int) -> int:
+    """The seed of the replay tables' episode sampler: from the run's seed, apart from the
+    fine-tuning tables' sampler (the two never draw correlated shapes at one position)."""
+    return int(np.random.SeedSequence(seed, spawn_key=(_REPLAY, 1)).generate_state(1)[0])
+
+
 # --------------------------------------------------------------------------- held-out evaluation
 
 def _finite(x: float) -> float | None:
@@ -410,6 +563,9 @@ class BestKeeper:
     """Keeps the best held-out score: exports the weights at every improvement, and stops the
     Trainer (by ending its run at the current step) after `patience` evaluations without one.
 
+    The held-out tables' scores (`holdout_tables`) are noted beside it (`note_tables`): those of
+    the first evaluation and of the best step's, never used to choose or stop.
+
     Its state is small and JSON-only; `FinetuneData` carries it inside every checkpoint."""
 
     def __init__(self, patience: int, min_delta: float, log: Callable[[str], None] | None = None) -> None:
@@ -422,6 +578,8 @@ class BestKeeper:
         self.bad_evals = 0
         self.stopped = False
         self.last_step = -1
+        self.tables_initial: dict[str, float] | None = None
+        self.tables_best: dict[str, float] | None = None
 
     def bind(self, trainer: Trainer, export: Callable[[int, dict[str, float]], None]) -> None:
         self.trainer, self.export = trainer, export
@@ -451,12 +609,22 @@ class BestKeeper:
                      f"at step {self.best_step}{flag}")
         return {"best_score": self.best["score"], "best_step": float(self.best_step), "improved": float(improved)}
 
+    def note_tables(self, metrics: dict[str, float]) -> None:
+        """The held-out tables' scores at the Trainer's current step, evaluated after `update`: kept
+        when they are the first, and when this step is the best one (the weights exported)."""
+        step = self.trainer.step if self.trainer is not None else 0
+        if self.tables_initial is None:
+            self.tables_initial = dict(metrics)
+        if step == self.best_step:
+            self.tables_best = dict(metrics)
+
     def state_dict(self) -> dict[str, Any]:
         def clean(d: dict[str, float] | None) -> dict[str, float | None] | None:
             return None if d is None else {k: _finite(v) for k, v in d.items()}
 
         return {"initial": clean(self.initial), "best": clean(self.best), "best_step": self.best_step,
-                "bad_evals": self.bad_evals, "stopped": self.stopped, "last_step": self.last_step}
+                "bad_evals": self.bad_evals, "stopped": self.stopped, "last_step": self.last_step,
+                "tables_initial": clean(self.tables_initial), "tables_best": clean(self.tables_best)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def restore(d: dict[str, Any] | None) -> dict[str, float] | None:
@@ -465,35 +633,64 @@ class BestKeeper:
         self.initial, self.best = restore(state["initial"]), restore(state["best"])
         self.best_step, self.bad_evals = int(state["best_step"]), int(state["bad_evals"])
         self.last_step = int(state["last_step"])
+        self.tables_initial = restore(state.get("tables_initial"))  # absent in checkpoints of older runs
+        self.tables_best = restore(state.get("tables_best"))
         # judged by this run's patience: rerunning an early-stopped run with a larger --patience continues it
         self.stopped = bool(self.patience) and self.bad_evals >= self.patience
 
 
 # --------------------------------------------------------------------------- the batches
 
+DATA, PRIOR, REPLAY_TABLES = "data", "prior", "replay"  # FinetuneData.source_at
+
+
 class FinetuneData:
     """The batches fine-tuning trains on: episodes of the user's tables, and with probability
-    `replay` (drawn per position from the seed, the same on every rank) a batch of the synthetic
-    prior stream instead. Resumable by position; the early-stopping record rides in the state so
-    every checkpoint holds the record that belongs to its weights."""
+    `replay` a replayed batch instead: from the synthetic prior stream `replay_stream`, or from the
+    episode sampler of the replay tables `replay_tables`; with both, each with probability 1/2.
+
+    Both draws are those of position p's own generator, SeedSequence(seed, spawn_key=(3, p)): its
+    first uniform u < replay makes p a replay position, its second v picks the replay tables when
+    v < 1/2. So they depend on (seed, p) only: the same on every data-parallel rank (whose
+    batches at p then come from the same source, with the same shape) and in a resumed run.
+    Resumable by position; the early-stopping record rides in the state so every checkpoint holds
+    the record that belongs to its weights."""
 
     def __init__(self, sampler: TableEpisodeSampler, keeper: BestKeeper, replay: float = 0.0,
-                 replay_stream: SynthStream | None = None, seed: int = 0) -> None:
-        if replay > 0 and replay_stream is None:
-            raise ValueError("replay > 0 needs a replay_stream")
+                 replay_stream: SynthStream | None = None, seed: int = 0,
+                 replay_tables: TableEpisodeSampler | None = None) -> None:
+        if replay > 0 and replay_stream is None and replay_tables is None:
+            raise ValueError("replay > 0 needs a replay_stream or replay_tables")
         self.sampler, self.keeper, self.replay, self.replay_stream, self.seed = sampler, keeper, replay, replay_stream, seed
+        self.replay_tables = replay_tables
         self.position = 0
 
-    def is_replay(self, position: int) -> bool:
+    def source_at(self, position: int) -> str:
+        """Where the batch at `position` comes from: DATA (the fine-tuning tables), PRIOR or REPLAY_TABLES."""
         if self.replay <= 0:
-            return False
+            return DATA
         rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(_REPLAY, position)))
-        return bool(rng.random() < self.replay)
+        if not rng.random() < self.replay:
+            return DATA
+        if self.replay_tables is None:
+            return PRIOR
+        if self.replay_stream is None:
+            return REPLAY_TABLES
+        return REPLAY_TABLES if rng.random() < 0.5 else PRIOR
+
+    def is_replay(self, position: int) -> bool:
+        return self.source_at(position) != DATA
+
+    def episode_at(self, position: int) -> tuple[Any, str, EpisodeInfo | None]:
+        """(batch, source, what it holds): the EpisodeInfo of a table batch (its table and rows), None for the prior."""
+        source = self.source_at(position)
+        if source == PRIOR:
+            return self.replay_stream.batch_at(position), source, None
+        batch, info = (self.replay_tables if source == REPLAY_TABLES else self.sampler).episode_at(position)
+        return batch, source, info
 
     def batch_at(self, position: int):
-        if self.is_replay(position):
-            return self.replay_stream.batch_at(position)
-        return self.sampler.batch_at(position)
+        return self.episode_at(position)[0]
 
     def __iter__(self) -> Iterator[Any]:
         while True:
@@ -509,6 +706,26 @@ class FinetuneData:
             raise ValueError(f"state was saved with seed {state['seed']}, this run has seed {self.seed}")
         self.position = int(state["position"])
         self.keeper.load_state_dict(state["early_stopping"])
+
+
+def finetune_data(cfg: FinetuneConfig, tables: list[FinetuneTable], replay_tables: list[ReplayTable],
+                  keeper: BestKeeper, model_cfg: ModelConfig, rank: int = 0, world_size: int = 1) -> FinetuneData:
+    """The batches of a run on `tables` for one data-parallel rank: the fine-tuning tables' episodes,
+    and `cfg.replay` of them replayed from `cfg.replay_prior()` and / or `replay_tables`. The replay
+    tables go through the same sampler with the same EpisodeConfig (the model's context features and
+    head width), so their episodes show what the model sees; their sampler's seed is
+    `replay_tables_seed(cfg.seed)`."""
+    episodes = cfg.episode_config(model_cfg.max_categories, model_cfg.context_features)
+    sampler = TableEpisodeSampler([t.episodes for t in tables], episodes, seed=cfg.seed, rank=rank,
+                                  world_size=world_size)
+    prior = replayed = None
+    if cfg.replay_prior() is not None:
+        prior_cfg = StreamConfig.preset(cfg.replay_prior(), context_features=model_cfg.context_features)
+        prior = SynthStream(prior_cfg, seed=cfg.seed, rank=rank, world_size=world_size)
+    if cfg.replay > 0 and replay_tables:
+        replayed = TableEpisodeSampler([t.episodes for t in replay_tables], episodes, seed=replay_tables_seed(cfg.seed),
+                                       rank=rank, world_size=world_size)
+    return FinetuneData(sampler, keeper, cfg.replay, prior, cfg.seed, replay_tables=replayed)
 
 
 # --------------------------------------------------------------------------- the run
@@ -527,6 +744,7 @@ class FinetuneResult:
     wall_s: float
     summary: dict[str, Any] = field(default_factory=dict)
     train: TrainResult | None = None
+    holdout_tables: dict[str, Any] | None = None  # --holdout-tables: summary["holdout_tables"] (before / best)
 
     def table(self) -> str:
         return format_summary(self.summary)
@@ -588,16 +806,21 @@ def _check_init_unchanged(saved: dict[str, Any]) -> None:
                          f"the run recorded {want}); its checkpoints hold adapters of the old weights only")
 
 
-def _run_record(cfg: FinetuneConfig, source: Any, tables: list[FinetuneTable], preset: str | None) -> dict[str, Any]:
-    """train_config.json: the config, the data it read, and "model" (the preset name, as `tabfm export` reads)."""
+def _table_ids(tables: list[Any]) -> list[dict[str, Any]]:
+    return [{"name": t.name, "source": t.source, "target": t.target, "task": t.task, "fingerprint": t.fingerprint}
+            for t in tables]
+
+
+def _run_record(cfg: FinetuneConfig, source: Any, tables: list[FinetuneTable], preset: str | None,
+                held_out: list[FinetuneTable] = (), replay: list[ReplayTable] = ()) -> dict[str, Any]:
+    """train_config.json: the config, the data it read, and "model" (the preset name, as `tabfm export` reads).
+    "tables" are the tables trained on; "held_out_tables" those held out whole; "replay_tables" those replayed."""
     record = cfg.to_dict()
     lora = cfg.lora()
     record.update(recipe="finetune", model=preset, lora=None if lora is None else lora.to_dict(),
-                  init_weights_sha256=_init_sha256(cfg.init),
-                  data=cfg.data if cfg.data is not None else (str(source) if isinstance(source, (str, os.PathLike))
-                                                              else f"<{type(source).__name__}>"),
-                  tables=[{"name": t.name, "source": t.source, "target": t.target, "task": t.task,
-                           "fingerprint": t.fingerprint} for t in tables])
+                  init_weights_sha256=_init_sha256(cfg.init), data=_describe(source, cfg),
+                  tables=_table_ids(tables), held_out_tables=_table_ids(list(held_out)),
+                  replay_tables=_table_ids(list(replay)))
     return record
 
 
@@ -610,15 +833,23 @@ def _check_same_run(out: Path, record: dict[str, Any]) -> None:
     if saved.get("recipe") != "finetune":
         raise ValueError(f"{out} holds a run that is not a fine-tuning run; use another --out")
 
-    def content(r: dict[str, Any]) -> list:  # the tables by content, wherever the files now lie
-        return [{k: t.get(k) for k in ("name", "target", "task", "fingerprint")} for t in r.get("tables") or []]
+    def content(r: dict[str, Any], key: str) -> list:  # the tables by content, wherever the files now lie
+        return [{k: t.get(k) for k in ("name", "target", "task", "fingerprint")} for t in r.get(key) or []]
 
     if record.get("lora") is not None:
         _check_init_unchanged(saved)
-    for key in (*RUN_KEYS, "tables"):
-        if (content(saved) != content(record)) if key == "tables" else (saved.get(key) != record.get(key)):
-            what = "the tables' content" if key == "tables" else f"{key}={saved.get(key)!r}"
-            now = "" if key == "tables" else f", this one has {key}={record.get(key)!r}"
+    tables = {"tables": "the tables' content", "held_out_tables": "other held-out tables (--holdout-tables)",
+              "replay_tables": "other replay tables' content (--replay-data)"}
+    for key in (*RUN_KEYS, *tables):
+        differs = (content(saved, key) != content(record, key)) if key in tables else (
+            saved.get(key, _RUN_DEFAULTS.get(key)) != record.get(key))
+        if differs:
+            if key in tables:
+                was, has = (", ".join(t["name"] for t in content(r, key)) or "none" for r in (saved, record))
+                what, now = f"{tables[key]} ({was})", f", this one has {has}"
+            else:
+                what = f"{key}={saved.get(key, _RUN_DEFAULTS.get(key))!r}"
+                now = f", this one has {key}={record.get(key)!r}"
             raise ValueError(f"{out} holds a fine-tuning run with {what}{now}; use another --out or the same "
                              "settings and data to resume")
 
@@ -652,9 +883,11 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
 
-    tables = load_tables(source, cfg)  # every rank reads and splits the same way
+    tables, held_out = split_tables(load_tables(source, cfg), cfg, _describe(source, cfg))  # every rank alike
+    replay_tables = load_replay_tables(cfg)
+    _check_replay_apart(replay_tables, tables + held_out)
     model_cfg, preset = _init_model(cfg.init)
-    record = _run_record(cfg, source, tables, preset)
+    record = _run_record(cfg, source, tables, preset, held_out, replay_tables)
     if restart:
         if main:
             for p in start_over(out):
@@ -665,15 +898,30 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / TRAIN_CONFIG).write_text(json.dumps(record, indent=2))
-        (out / HOLDOUT_FILE).write_text(json.dumps(
-            {t.name: {"source": t.source, "rows": t.holdout_rows.tolist()} for t in tables}))
+        rows = {t.name: {"source": t.source, "rows": t.holdout_rows.tolist()} for t in tables}
+        rows.update({t.name: {"source": t.source, "rows": t.holdout_rows.tolist(), "held_out_table": True,
+                              "context_rows": t.train_rows.tolist()} for t in held_out})
+        (out / HOLDOUT_FILE).write_text(json.dumps(rows))
     if talk:
-        for info in _tables_info(tables):
+        for info in _tables_info(tables) + _tables_info(held_out):
             classes = f", {len(info['classes'])} classes" if info["classes"] else ""
+            if info["name"] in {t.name for t in held_out}:
+                print(f"{info['name']}: held out whole (--holdout-tables), never trained on; {info['task']} of "
+                      f"{info['target']!r}{classes}, scored on {info['eval_rows']} of its rows with "
+                      f"{info['train_rows']} as context", flush=True)
+                continue
             print(f"{info['name']}: {info['task']} of {info['target']!r}{classes}; {info['train_rows']} training rows, "
                   f"{info['holdout_rows']} held out ({info['eval_rows']} scored), {info['columns']} feature columns"
                   + (f"; {info['dropped_rows_without_target']} rows without a target skipped"
                      if info["dropped_rows_without_target"] else ""), flush=True)
+        if cfg.replay > 0:
+            where = [f"the synthetic prior ({cfg.replay_prior()})"] if cfg.replay_prior() else []
+            if replay_tables:
+                where.append(f"{len(replay_tables)} replay tables ({', '.join(t.name for t in replay_tables[:5])}"
+                             f"{', ...' if len(replay_tables) > 5 else ''}; "
+                             f"{sum(t.episodes.n_rows for t in replay_tables)} rows)")
+            print(f"replay: {cfg.replay:.0%} of the batches from {' and '.join(where)}"
+                  + (", half each" if len(where) == 2 else ""), flush=True)
 
     torch.manual_seed(cfg.seed)
     model = TabFM(model_cfg)
@@ -702,25 +950,30 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     from tqdm.auto import tqdm
 
     keeper = BestKeeper(cfg.patience, cfg.min_delta, log=tqdm.write if talk else None)
-    episodes = cfg.episode_config(model_cfg.max_categories, model_cfg.context_features)
-    sampler = TableEpisodeSampler([t.episodes for t in tables], episodes, seed=cfg.seed, rank=plug.dp_rank,
-                                  world_size=plug.dp_world_size)
-    replay = None
-    if cfg.replay > 0:
-        replay_cfg = StreamConfig.preset(cfg.replay_stream, context_features=model_cfg.context_features)
-        replay = SynthStream(replay_cfg, seed=cfg.seed, rank=plug.dp_rank, world_size=plug.dp_world_size)
-    stream = FinetuneData(sampler, keeper, cfg.replay, replay, cfg.seed)
+    stream = finetune_data(cfg, tables, replay_tables, keeper, model_cfg, rank=plug.dp_rank,
+                           world_size=plug.dp_world_size)
     holdout = HoldoutEval(tables, cfg, model_cfg.context_features)
 
     def evaluate(module: nn.Module) -> dict[str, float]:
         metrics = holdout(module)
         return {**metrics, **keeper.update(metrics)}
 
+    evaluators: dict[str, Callable[[nn.Module], dict[str, float]]] = {"holdout": evaluate}
+    if held_out:  # after "holdout": the keeper has judged (and exported) the step when they are noted
+        unseen = HoldoutEval(held_out, cfg, model_cfg.context_features)
+
+        def evaluate_tables(module: nn.Module) -> dict[str, float]:
+            metrics = unseen(module)
+            keeper.note_tables(metrics)
+            return metrics
+
+        evaluators["holdout_tables"] = evaluate_tables
+
     trainer = Trainer(
         booster, model, optimizer, scheduler, criterion, stream, out,
         steps=cfg.steps, grad_accum=cfg.grad_accum, clip=cfg.clip, log_every=cfg.log_every,
         ckpt_every=cfg.ckpt_every, keep_last=cfg.keep_last, max_minutes=cfg.max_minutes,
-        evaluators={"holdout": evaluate}, eval_every=cfg.eval_every, export_config=None, progress=progress,
+        evaluators=evaluators, eval_every=cfg.eval_every, export_config=None, progress=progress,
         seed=cfg.seed, bar=bar, save_frozen=lora is None,
     )
 
@@ -758,12 +1011,21 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         "best": {"step": keeper.best_step, **{k: _finite(v) for k, v in keeper.best.items()}},
         "export": str(out / "export"), "wall_s": time.perf_counter() - start,
     }
+    if held_out:
+        summary["holdout_tables"] = {
+            "tables": _tables_info(held_out),
+            "before": {"step": 0, **{k: _finite(v) for k, v in (keeper.tables_initial or {}).items()}},
+            "best": {"step": keeper.best_step, **{k: _finite(v) for k, v in (keeper.tables_best or {}).items()}},
+        }
+    if cfg.replay > 0:
+        summary["replay"] = {"share": cfg.replay, "stream": cfg.replay_prior(),
+                             "tables": [t.info() for t in replay_tables]}
     if report is not None:
         summary["report"] = report
     if main:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     result = FinetuneResult(out, trainer.step, stopped, keeper.best_step, keeper.initial, keeper.best,
-                            out / "export", summary["wall_s"], summary, train_result)
+                            out / "export", summary["wall_s"], summary, train_result, summary.get("holdout_tables"))
     if talk:
         print(result.table(), flush=True)
     return result
@@ -787,7 +1049,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The before/after table: held-out metrics of the starting weights and of the best step."""
     before, best = summary["before"], summary["best"]
     keys = [k for k in before if k != "step"]
-    width = max([len(k) for k in keys] + [24])
+    unseen_keys = [k for k in (summary.get("holdout_tables") or {}).get("before", {}) if k != "step"]
+    width = max([len(k) for k in keys + unseen_keys] + [24] + ([32] if unseen_keys else []))
 
     def cell(v: Any) -> str:
         return f"{v:>12.4f}" if isinstance(v, (int, float)) else f"{'-':>12}"
@@ -804,6 +1067,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         a, b = before.get(k), best.get(k)
         change = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
         lines.append(f"  {k:<{width}}{cell(a)}{cell(b)}{cell(change) if change is not None else cell(None)}")
+    unseen = summary.get("holdout_tables")
+    if unseen:
+        lines += ["", f"  {'held-out tables (never trained)':<{width}}{'step 0':>12}{'best':>12}{'change':>12}"]
+        for k, a in unseen["before"].items():
+            if k == "step":
+                continue
+            b = unseen["best"].get(k)
+            change = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
+            lines.append(f"  {k:<{width}}{cell(a)}{cell(b)}{cell(change)}")
     report = summary.get("report")
     if report:
         lines += ["", f"  {'other tables (--report)':<{width}}{'init':>12}{'export':>12}{'change':>12}"]
