@@ -66,7 +66,7 @@ def _all_gather_padded(t: torch.Tensor, dim: int, rows: int, group: Any) -> torc
     world = dist.get_world_size(group)
     x = _pad_rows(t, dim, rows).movedim(dim, 0).contiguous()
     out = x.new_empty((world * rows, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -84,7 +84,7 @@ class _GatherRows(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         g = grad.movedim(ctx.dim, 0).contiguous()
         out = g.new_empty((g.shape[0] // world, *g.shape[1:]))
-        dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_single(out, g, op=dist.ReduceOp.SUM, group=ctx.group)
         return out.movedim(0, ctx.dim).narrow(ctx.dim, 0, ctx.local), None, None, None
 
 
@@ -141,12 +141,13 @@ class RowKVGather:
     def __call__(self, module: nn.Module, args: Any, output: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.gather(*output)
 
+    @torch.compiler.disable  # sizes are exchanged and read on the host: under --compile it runs eagerly
     def gather(self, k: torch.Tensor, v: torch.Tensor,
                kv_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rk = k.shape[2]
         mine = torch.tensor([rk, 1 if kv_mask is None else kv_mask.shape[0]], dtype=torch.int64, device=k.device)
         sizes = mine.new_empty(2 * self.world)
-        dist.all_gather_into_tensor(sizes, mine, group=self.group)
+        dist.all_gather_single(sizes, mine, group=self.group)
         rows, tables = (int(s) for s in sizes.view(self.world, 2).amax(0))
         mask = kv_mask if kv_mask is not None else torch.ones(1, rk, dtype=torch.bool, device=k.device)
         mask = mask.expand(tables, rk)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["adam_init_group", "checkpoint_module", "dtensor_storage", "foreach_unscale_", "fsdp_lazy_init",
-           "queue_backward_callback", "step_hooks_registered", "sync_zero_param_groups"]
+           "mark_optimizer_stepped", "queue_backward_callback", "rebind_scheduler", "step_hooks_registered",
+           "sync_zero_param_groups"]
 
 
 def foreach_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -103,3 +104,38 @@ def fsdp_lazy_init(root: torch.nn.Module) -> None:
     model's forward refuses to run. No public call does it; idempotent.
     """
     root._get_fsdp_state()._lazy_init()  # type: ignore[attr-defined]
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell an lr scheduler driving `optimizer` that a step ran, when the step ran elsewhere.
+
+    Private: torch's schedulers wrap `optimizer.step` to set `optimizer._opt_called` and warn
+    ("lr_scheduler.step() before optimizer.step()") when it is unset; Gemini's chunks step the
+    parameters instead of the inner optimizer (parallel.gemini.optim).
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def rebind_scheduler(scheduler: "torch.optim.lr_scheduler.LRScheduler", optimizer: torch.optim.Optimizer) -> None:
+    """Make `scheduler` drive `optimizer` (a rebuilt copy of the one it was made on), as if made on it.
+
+    Private: a scheduler wraps its optimizer's `step` at construction (marked
+    `_wrapped_by_lr_sched`, setting `_opt_called`) and warns "optimizer.step() has been overridden"
+    at its first step when the optimizer it drives lacks that wrapper. Plugins that rebuild the
+    optimizer around shards (parallel.plugins.zero) hand the scheduler the new one; no public call
+    re-attaches a scheduler, and building a new one would lose the user's scheduler object.
+    """
+    import functools
+
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    @functools.wraps(step)
+    def tracked(*args, **kwargs):
+        mark_optimizer_stepped(optimizer)
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]

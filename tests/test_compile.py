@@ -36,9 +36,15 @@ def test_compile_blocks_keeps_the_model_and_its_answers():
         compile_blocks(model, ParallelPlan())
 
 
-def test_compile_is_refused_where_a_plugin_hooks_the_blocks(capsys):
-    assert cli.main(["pretrain", "--preset", "smoke", "--compile", "--plugin", "gemini", "--out", "unused"]) == 2
-    assert "--compile compiles the blocks for --plugin single, ddp or zero" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, reason", [
+    (["--plugin", "gemini"], "--compile is not offered with --plugin gemini"),
+    (["--plugin", "hybrid", "--tp", "2"], "--compile with --tp 2: inductor fails"),
+    (["--plugin", "hybrid", "--pp", "2", "--microbatches", "2"], "--compile with --pp"),
+    (["--plugin", "hybrid", "--ep", "2", "--moe-experts", "4"], "--compile with --ep 2"),
+])
+def test_compile_is_refused_where_it_cannot_run(capsys, flags, reason):
+    assert cli.main(["pretrain", "--preset", "smoke", "--compile", *flags, "--out", "unused"]) == 2
+    assert reason in capsys.readouterr().err
 
 
 @pytest.mark.slow

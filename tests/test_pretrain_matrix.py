@@ -36,7 +36,7 @@ from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 300  # compiling rows: 3x (inductor compiles every block on each rank)
 FLAGS = ["--preset", "smoke", "--steps", str(STEPS), "--log-every", "1", "--quiet", "--threads", "1"]
 TOL = {"fp32": 1e-4, "bf16": 5e-2}
 
@@ -62,11 +62,16 @@ LAYOUTS: dict[str, tuple[list[str], int, int]] = {
     # in one process (its micro-batches route as each rank's batch does, capacity included)
     "ep": (["--plugin", "hybrid", "--ep", "2", "--moe-experts", "4", "--moe-top-k", "2"], 2, 2),
     "tp-moe": (["--plugin", "hybrid", "--tp", "2", "--moe-experts", "4", "--moe-top-k", "2"], 2, 1),  # expert width over tp
+    # every block compiled by inductor under the sharded layouts (the reference runs eager); full
+    # matrix only: compiling costs minutes per run on the CI machine (tests/test_compile.py runs one process)
+    "fsdp-compile": (["--plugin", "fsdp", "--compile"], 2, 2),
+    "sp-compile": (["--plugin", "hybrid", "--sp", "2", "--compile"], 2, 1),
 }
 MODEL_FLAGS = ("--moe-experts", "--moe-top-k")  # layout flags that change the model: the reference takes them too
 MUON_REFUSED = {"gemini", "gemini-auto", "gemini-disk"}  # Gemini steps AdamW on its chunks
 CI_ROWS = [  # the suite's budget: gemini auto/disk run one process against --plugin single in test_pretrain_gemini
-    *[(layout, "adamw", "fp32") for layout in LAYOUTS if layout not in ("pp-tp", "gemini-auto", "gemini-disk", "tp-moe")],
+    *[(layout, "adamw", "fp32") for layout in LAYOUTS
+      if layout not in ("pp-tp", "gemini-auto", "gemini-disk", "tp-moe", "fsdp-compile", "sp-compile")],
     ("fsdp", "muon", "fp32"), ("pp", "muon", "fp32"),
     ("fsdp", "adamw", "bf16"),
 ]
@@ -84,7 +89,8 @@ def torchrun_pretrain(out: Path, flags: list[str], nproc: int) -> None:
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
            "-m", "tabfm.cli", "pretrain", *flags, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    timeout = RUN_TIMEOUT_S * (3 if "--compile" in flags else 1)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
 
 

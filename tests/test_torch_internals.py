@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tabfm.parallel.torch_internals import (adam_init_group, checkpoint_module, dtensor_storage, foreach_unscale_,
-                                            queue_backward_callback, step_hooks_registered, sync_zero_param_groups)
+                                            mark_optimizer_stepped, queue_backward_callback, rebind_scheduler,
+                                            step_hooks_registered, sync_zero_param_groups)
 
 from .dist_utils import run_distributed
 
@@ -154,9 +155,53 @@ def test_fsdp_lazy_init_lets_inner_units_run_before_the_roots_forward():
         torch.testing.assert_close(r["inner"], r["full"])
 
 
+def _scheduler_and_rebuilt():
+    w = torch.nn.Parameter(torch.ones(2))
+    old = torch.optim.AdamW([w], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(old, lambda s: 0.5 ** s)
+    new = torch.optim.AdamW([{**old.param_groups[0], "params": [w]}])
+    w.grad = torch.ones(2)
+    return sched, new
+
+
+def test_rebind_scheduler_drives_the_rebuilt_optimizer_without_torch_warning():
+    """A rebuilt optimizer handed to the scheduler raw makes torch warn at the first step (the
+    check this helper answers); rebound, the scheduler steps it silently and sets its lr."""
+    import warnings
+
+    sched, new = _scheduler_and_rebuilt()
+    sched.optimizer = new
+    new.step()
+    with pytest.warns(UserWarning, match="overridden"):
+        sched.step()
+    sched, new = _scheduler_and_rebuilt()
+    rebind_scheduler(sched, new)
+    rebind_scheduler(sched, new)  # idempotent: one wrapper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new.step()
+        sched.step()
+        sched.step()
+    assert new.param_groups[0]["lr"] == pytest.approx(0.25)
+
+
+def test_mark_optimizer_stepped_silences_the_step_order_warning():
+    """A step that ran outside optimizer.step() (Gemini's chunks), marked, counts for the scheduler."""
+    import warnings
+
+    sched, _ = _scheduler_and_rebuilt()
+    with pytest.warns(UserWarning, match="before"):
+        sched.step()
+    sched, _ = _scheduler_and_rebuilt()
+    mark_optimizer_stepped(sched.optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.step()
+
+
 # torch.<...>._private, and the private torch attributes the engine once used on torch objects
 PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._[a-z]\w*|\.(?:_local_tensor|_buffers|_parameters|_modules|_init_group|"
-                     r"_sync_param_groups|_optimizer_step_\w+|_global_optimizer_\w+|_execution_engine)\b")
+                     r"_sync_param_groups|_optimizer_step_\w+|_global_optimizer_\w+|_execution_engine|_opt_called|_wrapped_by_lr_sched)\b")
 
 
 def test_checkpoint_module_recomputes_in_place_like_torch_utils_checkpoint():

@@ -122,12 +122,12 @@ def _collectives(rank: int, world: int) -> dict:
     out = {}
     for op in ("SUM", "AVG"):
         theirs, mine = torch.empty(n), torch.empty(n)
-        dist.reduce_scatter_tensor(theirs, inp.clone(), op=getattr(dist.ReduceOp, op))
+        dist.reduce_scatter_single(theirs, inp.clone(), op=getattr(dist.ReduceOp, op))
         RingReduceScatter()(mine, inp.clone(), dist.group.WORLD, getattr(dist.ReduceOp, op))
         out[f"rs_{op}"] = (theirs, mine)
     shard = inp[:n].clone()
     theirs, mine = torch.empty(world * n), torch.empty(world * n)
-    dist.all_gather_into_tensor(theirs, shard)
+    dist.all_gather_single(theirs, shard)
     RingAllGather()(mine, shard, dist.group.WORLD)
     out["ag"] = (theirs, mine)
     with pytest.raises(NotImplementedError):

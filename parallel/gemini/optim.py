@@ -37,6 +37,7 @@ from torch.optim.adam import adam as _adam_functional
 from ..precision import DynamicLossScaler
 from ..wrappers import OptimizerWrapper
 from .chunks import GRAD_STATES, Chunk, ChunkManager, TensorState
+from ..torch_internals import mark_optimizer_stepped
 from .tiers import DiskStore
 
 
@@ -150,7 +151,7 @@ class GeminiOptimizer(OptimizerWrapper):
         if args or kwargs:
             raise TypeError("GeminiOptimizer.step takes no closure")
         self.last_step_skipped = False
-        self.optim._opt_called = True  # the chunks step instead of the inner optimizer: tell lr schedulers a step ran
+        mark_optimizer_stepped(self.optim)  # the chunks step instead of the inner optimizer
         if self.on_step is not None:
             self.on_step()
         self.manager.flush()

@@ -62,6 +62,8 @@ def reset() -> None:
 def use(*tensors: torch.Tensor | None) -> bool:
     """Whether to run a Triton kernel on these tensors (None entries are ignored): all plain
     tensors on one CUDA device (or CPU under the test switch), kernels on, not compiling."""
+    if torch.compiler.is_compiling():  # inductor fuses these ops itself; first, so no guard on _state
+        return False
     ts = [t for t in tensors if t is not None]
     if not ts or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in ts):
         return False
@@ -73,14 +75,12 @@ def use(*tensors: torch.Tensor | None) -> bool:
     if dev.type == "cpu":  # the test switch is read once, without importing triton
         if "cpu_switch" not in _state:
             _state["cpu_switch"] = os.environ.get(CPU_TEST_SWITCH) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
-        return bool(_state["cpu_switch"]) and decision()[1] and not torch.compiler.is_compiling()
+        return bool(_state["cpu_switch"]) and decision()[1]
     return False
 
 
 def _on_cuda() -> bool:
     """The choice for CUDA tensors; warns once where triton is missing (not for TABFM_TRITON=0)."""
-    if torch.compiler.is_compiling():
-        return False
     on, _, why = decision()
     if not on and not why.startswith(ENV_SWITCH) and not _state.get("warned"):
         _state["warned"] = True

@@ -193,6 +193,10 @@ class HybridParallelPlugin(Plugin):
         if compile and self.pp_size > 1:
             raise ValueError("compiling the blocks is not offered with pp_size > 1 (the pipeline's stages are "
                              "built and traced by torch.distributed.pipelining); use pp_size=1 or compile=False")
+        if compile and self.tp_size > 1:
+            raise ValueError("compiling the blocks is not offered with tp_size > 1: inductor fails on the "
+                             "tensor-parallel blocks' DTensor graphs (RecursionError, torch 2.13 on CPU); use "
+                             "sp_size or data parallelism, or compile=False")
         super().set_block_options(activation_checkpointing=activation_checkpointing, compile=compile)
 
     # --- topology --------------------------------------------------------------------------

@@ -42,7 +42,8 @@ from ..precision import MixedPrecision
 from ..state_io import load_weights
 from ..wrappers import ModelWrapper, OptimizerWrapper, plain_grad_norm
 from ..sharded_checkpoint import ShardedCheckpointIO
-from ..torch_internals import adam_init_group, dtensor_storage, step_hooks_registered, sync_zero_param_groups
+from ..torch_internals import (adam_init_group, dtensor_storage, mark_optimizer_stepped, rebind_scheduler,
+                               step_hooks_registered, sync_zero_param_groups)
 from .ddp import ReplicatedCheckpointReader, TorchDDPPlugin
 
 
@@ -59,7 +60,7 @@ def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
 
 def _rebind_scheduler(lr_scheduler: Any, old: torch.optim.Optimizer, new: Any) -> None:
     if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is old:
-        lr_scheduler.optimizer = new  # the scheduler now drives the rebuilt optimizer's param groups
+        rebind_scheduler(lr_scheduler, new)  # the scheduler now drives the rebuilt optimizer's param groups
 
 
 def rebuild_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]],
@@ -162,6 +163,7 @@ def adam_step_on_local_shards(optimizer: torch.optim.Optimizer, closure: Callabl
                 found_inf=getattr(optimizer, "found_inf", None),
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )
+    mark_optimizer_stepped(optimizer)  # a step ran, though not through optimizer.step(): tell its scheduler
     return loss
 
 

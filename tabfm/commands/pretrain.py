@@ -129,8 +129,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="recompute every block's activations in backward instead of keeping them: activation "
                         "memory of one block for ~1/3 more compute; every plugin but gemini")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile every block (dynamic shapes) before the engine wraps the model; plugins "
-                        "single, ddp, zero. Off by default: on CPUs it was measured slower (BENCHMARKS.md)")
+                   help="torch.compile every block (dynamic shapes) before the engine wraps the model; every "
+                        "plugin but gemini, not with --tp or --pp. Off by default: pays only on long runs, "
+                        "slower on CPUs under FSDP (BENCHMARKS.md)")
     add_output_flags(p)
     p.add_argument("--restart", action="store_true",
                    help="start the run in --out over: remove its checkpoints and metrics first (a run resumes otherwise)")

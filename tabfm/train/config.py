@@ -51,8 +51,8 @@ class PretrainConfig:
     activation_checkpointing  recompute every block's activations in backward
                    (tabfm.parallel.checkpoint_blocks): activation memory of one block, ~1/3 more compute
     compile        torch.compile every block (tabfm.parallel.compile_blocks, dynamic shapes) before the
-                   engine wraps the model; with plugins single, ddp and zero (FSDP, hybrid and Gemini hook
-                   the blocks themselves). Measured slower on CPUs (BENCHMARKS.md); off by default
+                   engine wraps the model; every plugin but Gemini (whose hooks move parameters inside the
+                   blocks), not with tp or pp. Measured (BENCHMARKS.md); off by default
     microbatches   M: each batch holds a multiple of M tables and is cut into M equal micro-batches of
                    whole tables whose losses are averaged (gradient accumulation inside one batch);
                    with pp > 1 they stream through the pipeline stages (M >= pp), elsewhere they
@@ -267,9 +267,17 @@ class PretrainConfig:
              "--activation-checkpointing is not offered with --plugin gemini: Gemini's chunk hooks do not yet "
              "handle a block recomputed in backward (its losses left one process's after the first step); use "
              "--plugin fsdp or zero for activation memory")
-        need(not self.compile or self.plugin in ("single", "ddp", "zero"), "compile",
-             f"--compile compiles the blocks for --plugin single, ddp or zero; --plugin {self.plugin} wraps the "
-             "blocks itself (its hooks would break the compiled graphs), so it is not offered there yet")
+        need(not self.compile or self.plugin != "gemini", "compile",
+             "--compile is not offered with --plugin gemini: its chunk hooks move parameters in and out "
+             "of every block during the step, which no test has run compiled; use --plugin fsdp or zero")
+        need(not self.compile or self.ep == 1, "compile",
+             f"--compile with --ep {self.ep}: the experts' all_to_all dispatch has not been run compiled; "
+             "use --ep 1 or no --compile")
+        need(not self.compile or self.pp == 1, "compile",
+             "--compile with --pp: the pipeline's stages are built and traced by torch.distributed.pipelining")
+        need(not self.compile or self.tp == 1, "compile",
+             f"--compile with --tp {self.tp}: inductor fails on the tensor-parallel blocks' DTensor graphs "
+             "(RecursionError while compiling, torch 2.13 on CPU); compile is offered with --sp, ZeRO and FSDP")
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
