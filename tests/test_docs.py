@@ -131,12 +131,13 @@ def test_the_docs_index_lists_every_page():
 def test_readme_shows_the_command_ci_runs():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
-    assert ci[-1] == "python3 -m pytest -q", f".ci/run ends with {ci[-1]!r}"
+    assert ci[-1] == "python3 -m pytest -q -n 2 --dist loadfile", f".ci/run ends with {ci[-1]!r}"
     assert any("pip install" in line and "torch==2.13.0" in line for line in ci)
     assert any("pip install" in line and '-e ".[test,serve,kernels,onnx]"' in line for line in ci)
     readme = ROOT / "README.md"
     shell = [code for _, lang, code, _ in blocks(readme) if lang in ("bash", "sh", "shell")]
-    want = 'pip install torch==2.13.0 && pip install -e ".[test,serve,kernels,onnx]" && python3 -m pytest -q'
+    want = ('pip install torch==2.13.0 && pip install -e ".[test,serve,kernels,onnx]" && '
+            'python3 -m pytest -q -n 2 --dist loadfile')
     assert want in shell, f"README.md has no block with exactly: {want}"
     assert "the exact command ci runs in `.ci/run`" in readme.read_text(encoding="utf-8").lower()
 
