@@ -137,12 +137,14 @@ class RowKVGather:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.shared_keys = int(shared_keys)
+        # sizes are exchanged and read on the host: under --compile it runs eagerly (wrapped here, not
+        # with a decorator: torch.compiler.disable imports dynamo, seconds for every process)
+        self.gather = torch.compiler.disable(self._gather)
 
     def __call__(self, module: nn.Module, args: Any, output: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.gather(*output)
 
-    @torch.compiler.disable  # sizes are exchanged and read on the host: under --compile it runs eagerly
-    def gather(self, k: torch.Tensor, v: torch.Tensor,
+    def _gather(self, k: torch.Tensor, v: torch.Tensor,
                kv_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rk = k.shape[2]
         mine = torch.tensor([rk, 1 if kv_mask is None else kv_mask.shape[0]], dtype=torch.int64, device=k.device)

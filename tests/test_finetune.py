@@ -412,6 +412,10 @@ def test_cli_lora_run_exports_from_its_adapter_checkpoints(tmp_path, table_csv, 
 
 
 # ----------------------------------------------------------------------------- another layout
+# One two-rank launch (spawning and importing is most of a short run's cost) trains every
+# distributed run the tests below read: a plain DDP run, and LoRA under four plugins. Each run
+# has a directory of its own and is built from scratch (config, plugin, model) as in a launch
+# of its own; a run that raises is reported by the test that reads it.
 
 
 def _ddp_finetune(rank: int, world: int, out: str, init: str, csv: str) -> dict:
@@ -422,23 +426,9 @@ def _ddp_finetune(rank: int, world: int, out: str, init: str, csv: str) -> dict:
     return {"step": result.step, "initial": result.initial}
 
 
-@pytest.mark.slow
-def test_a_two_rank_ddp_run_resumes_in_one_process(tmp_path, random_export, table_csv):
-    from tests.dist_utils import run_distributed
-
-    out = str(tmp_path / "run")
-    first = run_distributed(_ddp_finetune, world_size=2, args=(out, random_export, table_csv), timeout_s=240)
-    assert [r["step"] for r in first] == [4, 4] and first[0]["initial"] == first[1]["initial"]
-    again = finetune(smoke(random_export, data=table_csv, steps=6, eval_every=2, ckpt_every=2, patience=0), out,
-                     progress=False)
-    assert again.step == 6 and again.train.step == 6 and again.initial == first[0]["initial"]
-    resume = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "resume"]
-    assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)]
-    assert again.best_step in (0, 2, 4, 6) and (tmp_path / "run" / "export" / "model.safetensors").is_file()
-
-
 LORA_LAYOUTS = {"ddp": dict(plugin="ddp"), "zero2": dict(plugin="zero", zero_stage=2), "fsdp": dict(plugin="fsdp"),
                 "hybrid-sp2": dict(plugin="hybrid", sp=2), "single": {}}
+LORA_DISTRIBUTED = ("ddp", "zero2", "fsdp", "hybrid-sp2")
 
 
 def _lora_cfg(init: str, csv: str, layout: str, steps: int = 4) -> FinetuneConfig:
@@ -455,19 +445,66 @@ def _lora_finetune(rank: int, world: int, out: str, init: str, csv: str, layout:
     return {"step": result.step, "best": result.best}
 
 
+def _two_rank_runs(rank: int, world: int, root: str, init: str, csv: str) -> dict:
+    import traceback
+
+    import torch.distributed as dist
+
+    runs = {"ddp": lambda: _ddp_finetune(rank, world, str(Path(root) / "ddp"), init, csv)}
+    for layout in LORA_DISTRIBUTED:
+        runs[f"lora-{layout}"] = (lambda layout=layout:
+                                  _lora_finetune(rank, world, str(Path(root) / f"lora-{layout}"), init, csv, layout))
+    out = {}
+    for name, run in runs.items():
+        try:
+            out[name] = run()
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, random_export, table_csv) -> tuple[Path, list[dict]]:
+    """(the runs' root, each rank's {run: result}): the runs of _two_rank_runs, one launch."""
+    from tests.dist_utils import run_distributed
+
+    root = tmp_path_factory.mktemp("two-rank")
+    return root, run_distributed(_two_rank_runs, world_size=2, args=(str(root), random_export, table_csv),
+                                 timeout_s=900)
+
+
+def _ranks(two_rank_runs, name: str) -> tuple[Path, list[dict]]:
+    """A run's directory and each rank's result; a rank's traceback fails the test."""
+    root, results = two_rank_runs
+    for rank, r in enumerate(results):
+        assert "error" not in r[name], f"rank {rank}, run {name}:\n{r[name]['error']}"
+    return root / name, [r[name] for r in results]
+
+
 @pytest.mark.slow
-def test_lora_under_every_plugin_matches_its_reference_and_resumes_in_one_process(tmp_path, random_export, table_csv):
+def test_a_two_rank_ddp_run_resumes_in_one_process(two_rank_runs, random_export, table_csv):
+    out, first = _ranks(two_rank_runs, "ddp")
+    assert [r["step"] for r in first] == [4, 4] and first[0]["initial"] == first[1]["initial"]
+    again = finetune(smoke(random_export, data=table_csv, steps=6, eval_every=2, ckpt_every=2, patience=0), out,
+                     progress=False)
+    assert again.step == 6 and again.train.step == 6 and again.initial == first[0]["initial"]
+    resume = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "resume"]
+    assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)]
+    assert again.best_step in (0, 2, 4, 6) and (out / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_lora_under_every_plugin_matches_its_reference_and_resumes_in_one_process(two_rank_runs, tmp_path,
+                                                                                   random_export, table_csv):
     """Two ranks. Data parallel (the same two batches per step): LoRA under ZeRO-2 and FSDP trains the
     adapters DDP trains. Row-sequence parallel (hybrid sp=2, one batch per step): the adapters one
     process trains. Adapter-only checkpoints within fp32 tolerance; the FSDP run resumes in one process."""
-    from tests.dist_utils import run_distributed
-
     states = {}
-    for layout in ("ddp", "zero2", "fsdp", "hybrid-sp2"):
-        got = run_distributed(_lora_finetune, world_size=2, args=(str(tmp_path / layout), random_export, table_csv,
-                                                                  layout), timeout_s=300)
+    for layout in LORA_DISTRIBUTED:
+        out, got = _ranks(two_rank_runs, f"lora-{layout}")
         assert [r["step"] for r in got] == [4, 4]
-        states[layout] = checkpoint_model_state(tmp_path / layout / "checkpoints" / "step_000004")
+        states[layout] = checkpoint_model_state(out / "checkpoints" / "step_000004")
     finetune(_lora_cfg(random_export, table_csv, "single"), tmp_path / "single", progress=False)
     states["single"] = checkpoint_model_state(tmp_path / "single" / "checkpoints" / "step_000004")
     for layout, reference in (("zero2", "ddp"), ("fsdp", "ddp"), ("hybrid-sp2", "single")):
@@ -476,7 +513,8 @@ def test_lora_under_every_plugin_matches_its_reference_and_resumes_in_one_proces
         for k, v in states[reference].items():
             assert torch.allclose(states[layout][k], v, atol=1e-5, rtol=1e-4), (layout, k)
     assert not torch.allclose(states["ddp"][k], states["single"][k], atol=1e-5)  # two batches per step differ
-    again = finetune(_lora_cfg(random_export, table_csv, "single", steps=6), tmp_path / "fsdp", progress=False)
+    fsdp = _ranks(two_rank_runs, "lora-fsdp")[0]
+    again = finetune(_lora_cfg(random_export, table_csv, "single", steps=6), fsdp, progress=False)
     assert again.step == 6 and again.train.step == 6
-    resume = [r for r in read_metrics(tmp_path / "fsdp" / "metrics.jsonl") if r["kind"] == "resume"]
+    resume = [r for r in read_metrics(fsdp / "metrics.jsonl") if r["kind"] == "resume"]
     assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)]

@@ -2,7 +2,8 @@
 (pipeline stages: tests/test_pipeline.py).
 
 One spawn per world size runs every scenario: 2 ranks (tp=2; sp=2 with and without thinking
-rows; train-mode forwards that draw random column identities; bad layouts), 4 ranks
+rows; train-mode forwards that draw random column identities; bad layouts; the pretraining loop
+crashed and resumed), 4 ranks
 (tp=2 × sp=2 with a checkpoint; tp=2 × dp=2 and sp=2 × dp=2, replicated and FSDP2, with
 gradient accumulation under no_sync). The tests compare each rank's outputs, loss, gradients,
 clipped-gradient norms and AdamW parameters after a few steps with a plain TabFM run in this
@@ -225,9 +226,21 @@ def worker_4(rank, world, root):
     })
 
 
+def spawn_2_worker(rank, world, root):
+    """Every 2-rank scenario of this file, in one spawn: worker_2's and the pretraining loop's."""
+    return {"scenarios": worker_2(rank, world), "pretrain": pretrain_worker(rank, world, root)}
+
+
 @pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(worker_2, world_size=2, timeout_s=150)
+def spawn_2(tmp_path_factory):
+    """(the pretraining runs' directory, each rank's results)."""
+    root = tmp_path_factory.mktemp("hybrid2")
+    return root, run_distributed(spawn_2_worker, world_size=2, args=(str(root),), timeout_s=350)
+
+
+@pytest.fixture(scope="module")
+def results_2(spawn_2):
+    return [r["scenarios"] for r in spawn_2[1]]
 
 
 @pytest.fixture(scope="module")
@@ -491,7 +504,7 @@ def pretrain_worker(rank, world, root):
 
 
 @pytest.mark.slow
-def test_hybrid_pretraining_resumes_and_tracks_single_process(tmp_path):
+def test_hybrid_pretraining_resumes_and_tracks_single_process(spawn_2, tmp_path):
     """tp=2 and sp=2 runs of the pretraining loop (crashed after a checkpoint and resumed) end
     where one uninterrupted single-process run does: same weights (to summation order), same
     global cell count (the ranks of a table count it once), same held-out evaluation."""
@@ -500,7 +513,7 @@ def test_hybrid_pretraining_resumes_and_tracks_single_process(tmp_path):
     from tabfm.train import PretrainConfig
     from tabfm.train.pretrain import pretrain
 
-    ranks = run_distributed(pretrain_worker, world_size=2, args=(str(tmp_path),), timeout_s=200)
+    runs, ranks = spawn_2[0], [r["pretrain"] for r in spawn_2[1]]
     single = pretrain(PretrainConfig.preset("smoke", **PRETRAIN), tmp_path / "single", progress=False)
     want = load_file(str(tmp_path / "single" / "export" / "model.safetensors"))
     for name in ("sp2", "tp2"):
@@ -509,9 +522,9 @@ def test_hybrid_pretraining_resumes_and_tracks_single_process(tmp_path):
             assert r["loss"] == pytest.approx(single.last["loss"], abs=1e-4)
             for key, value in single.evals.items():
                 assert r["evals"][key] == pytest.approx(value, abs=1e-4), key
-        got = load_file(str(tmp_path / name / "export" / "model.safetensors"))
+        got = load_file(str(runs / name / "export" / "model.safetensors"))
         _close(got, want, 1e-4, f"{name} weight")
-        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["checkpoint"] for r in records if r["kind"] == "resume"] == ["step_000003"]
 
 

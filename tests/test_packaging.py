@@ -67,9 +67,9 @@ def test_checkout_imports_its_own_subpackages(tmp_path):
 
 
 # ------------------------------------------------------------------ build and install (slow)
-def run(cmd: list, **kw) -> str:
+def run(cmd: list, env: dict[str, str] | None = None, **kw) -> str:
     """Run a command (no PYTHONPATH leaking the checkout in); its stdout; stderr in the failure."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "PYTHONPATH"}
     res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
                          timeout=INSTALL_TIMEOUT_S, **kw)
     assert res.returncode == 0, f"{cmd} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
@@ -107,13 +107,24 @@ def test_wheel_and_sdist_ship_weights_and_kernel_sources(dists):
 @pytest.mark.slow
 def test_wheel_installs_and_predicts_beside_a_users_modules(dists, tmp_path):
     """A fresh venv (torch pinned to the CPU wheel, the rest from the registry), `pip check` clean;
-    from a directory with its own data/, eval.py and parallel.py: one prediction and `tabfm --version`."""
+    from a directory with its own data/, eval.py and parallel.py: one prediction and `tabfm --version`.
+
+    For speed, one `pip install --no-compile` (run by this interpreter's pip into the venv, which
+    gets none of its own) installs torch and the wheel: byte-compiling every file of torch, sympy,
+    scipy, ... was most of this test's time. Python compiles what the venv's commands import as
+    they import it (into a cache folder of this test, also where PYTHONDONTWRITEBYTECODE is set, so
+    later commands reuse it), and every module of the installed tabfm must compile."""
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", venv])
+    run([sys.executable, "-m", "venv", "--without-pip", venv])
     python, tabfm = venv / "bin" / "python", venv / "bin" / "tabfm"
-    run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
-    run([python, "-m", "pip", "install", "-q", dists["wheel"]])
-    run([python, "-m", "pip", "check"])
+    pip = [sys.executable, "-m", "pip", "--python", python]
+    run([*pip, "install", "-q", "--no-compile", "torch==2.13.0", dists["wheel"]])
+    run([*pip, "check"])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(tmp_path / "pycache")  # bytecode lands there, not in the venv or the checkout
+    site = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], env=env).strip()
+    assert site.startswith(str(venv)), site
+    run([python, "-m", "compileall", "-q", Path(site) / "tabfm"], env=env)  # exits non-zero on any error
     project = user_project(tmp_path / "project")
     code = ("import json, numpy as np, tabfm\n"
             "from tabfm import TabFMClassifier\n"
@@ -121,9 +132,9 @@ def test_wheel_installs_and_predicts_beside_a_users_modules(dists, tmp_path):
             "X = rng.normal(size=(60, 3)); y = (X[:, 0] + 0.5 * X[:, 1] > 0).astype(int)\n"
             "pred = TabFMClassifier(n_estimators=1).fit(X[:40], y[:40]).predict(X[40:])\n"
             "print(json.dumps({'file': tabfm.__file__, 'accuracy': float((pred == y[40:]).mean())}))")
-    result = json.loads(run([python, "-c", code], cwd=project).strip().splitlines()[-1])
+    result = json.loads(run([python, "-c", code], env=env, cwd=project).strip().splitlines()[-1])
     assert result["file"].startswith(str(venv)) and result["accuracy"] >= 0.7
-    assert run([tabfm, "--version"], cwd=project).strip() == f"tabfm {dists['wheel'].name.split('-')[1]}"
+    assert run([tabfm, "--version"], env=env, cwd=project).strip() == f"tabfm {dists['wheel'].name.split('-')[1]}"
     # from the repository root ./tabfm shadows the installed one; its subpackages still resolve (beside it)
-    where = run([python, "-c", "import tabfm.data.batch as b; print(b.__file__)"], cwd=ROOT).strip()
+    where = run([python, "-c", "import tabfm.data.batch as b; print(b.__file__)"], env=env, cwd=ROOT).strip()
     assert where == str(ROOT / "data" / "batch.py")

@@ -33,7 +33,8 @@ def test_warmup_cosine_by_hand():
 
 
 def test_short_pretraining_lowers_held_out_loss(tmp_path):
-    cfg = smoke(steps=60, lr=3e-3, warmup_steps=5, eval_every=60, ckpt_every=60)
+    # measured held-out loss 2.009 -> 1.517 after 20 steps (60 steps: 1.479): 20 show the fall as well
+    cfg = smoke(steps=20, lr=3e-3, warmup_steps=5, eval_every=20, ckpt_every=20)
     torch.manual_seed(cfg.seed)
     initial = TabFM(ModelConfig.preset(cfg.model))  # the same initialisation pretrain() starts from
     held_out = synthetic_eval(StreamConfig.preset(cfg.stream), cfg.seed, n_batches=6)
@@ -42,7 +43,7 @@ def test_short_pretraining_lowers_held_out_loss(tmp_path):
     trained = TabFM(ModelConfig.preset(cfg.model))
     trained.load_state_dict(params(tmp_path))
     after = held_out(trained.eval())["loss"]
-    assert result.step == 60 and result.stopped == "steps"
+    assert result.step == 20 and result.stopped == "steps"
     assert after < before - 0.1, (before, after)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {r["kind"] for r in records} == {"train", "eval"}
@@ -51,15 +52,15 @@ def test_short_pretraining_lowers_held_out_loss(tmp_path):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, optimizer):
-    cfg = smoke(steps=6, ckpt_every=3, eval_every=100, eval_batches=0, optimizer=optimizer)
+    cfg = smoke(steps=4, ckpt_every=2, eval_every=100, eval_batches=0, optimizer=optimizer)
     pretrain(cfg, tmp_path / "straight", progress=False)
 
     save = Trainer.save
 
     def crash_after_first_checkpoint(self):
         path = save(self)
-        if self.step == 3:
-            raise KeyboardInterrupt("simulated kill right after the step-3 checkpoint")
+        if self.step == 2:
+            raise KeyboardInterrupt("simulated kill right after the step-2 checkpoint")
         return path
 
     monkeypatch.setattr(Trainer, "save", crash_after_first_checkpoint)
@@ -67,7 +68,7 @@ def test_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, 
         pretrain(cfg, tmp_path / "resumed", progress=False)
     monkeypatch.setattr(Trainer, "save", save)
     result = pretrain(cfg, tmp_path / "resumed", progress=False)
-    assert result.step == 6
+    assert result.step == 4
     a, b = params(tmp_path / "straight"), params(tmp_path / "resumed")
     assert a.keys() == b.keys()
     for k in a:
