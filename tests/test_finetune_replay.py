@@ -18,13 +18,14 @@ import torch
 from tabfm.cli import main
 from tabfm.data.store import write_table
 from tabfm.data.table_episodes import TableEpisodeSampler, holdout_split
-from tabfm.model import ModelConfig, TabFM
-from tabfm.parallel.export import export_model
+from tabfm.model import ModelConfig
 from tabfm.train.finetune import (BestKeeper, FinetuneConfig, FinetuneData, finetune, finetune_data,
                                   load_replay_tables, load_tables)
 from tabfm.train.metrics_log import read_metrics
-from tabfm.train.pretrain import checkpoint_model_state, export_config
+from tabfm.train.pretrain import checkpoint_model_state
 from tabfm.train.trainer import Trainer
+
+from tests.test_finetune import random_cf_export, random_export  # noqa: F401  (fixtures)
 
 SMALL = dict(d_model=32, n_layers=2, n_heads=2, context_features="knn-linear")
 F32 = np.float32
@@ -48,23 +49,15 @@ def amounts(n: int, seed: int) -> pd.DataFrame:
 
 
 @pytest.fixture(scope="module")
-def init(tmp_path_factory) -> str:
+def init(random_cf_export) -> str:
     """A small random-init export with context features (tabfm-tiny-cf's input contract)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny", **SMALL)
-    out = tmp_path_factory.mktemp("init") / "export"
-    export_model(TabFM(cfg), out, export_config(cfg, {}))
-    return str(out)
+    return random_cf_export
 
 
 @pytest.fixture(scope="module")
-def plain_init(tmp_path_factory) -> str:
+def plain_init(random_export) -> str:
     """As `init`, without context features: several times cheaper episodes, for the three-run resume test."""
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny", **{**SMALL, "context_features": "none"})
-    out = tmp_path_factory.mktemp("init-plain") / "export"
-    export_model(TabFM(cfg), out, export_config(cfg, {}))
-    return str(out)
+    return random_export
 
 
 @pytest.fixture
