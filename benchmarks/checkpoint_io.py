@@ -2,7 +2,6 @@
 
     python benchmarks/checkpoint_io.py                          # tiny, small, base; 5 rounds
     python benchmarks/checkpoint_io.py --presets tiny --rounds 3 --json runs/checkpoint_io.json
-    python benchmarks/checkpoint_io.py --quick                  # tiny, 1 round (the smoke test)
 
 Every plugin now writes checkpoints through `ShardedCheckpointIO` (torch.distributed.checkpoint,
 safetensors shards); single-process runs used to write full tensors with one `save_weights` call.
@@ -10,7 +9,6 @@ Rows per model preset, all on one AdamW-stepped model in one process, rounds alt
     dcp        Booster(SingleProcessPlugin).save_checkpoint / load_checkpoint (model, optimizer, scheduler)
     full       the same tensors written and read as full safetensors files (`state_io.save_weights`,
                `save_state`): what the old single-process writer did, the floor for these bytes
-Before each load the weights are zeroed; a row records whether both loads brought them back exactly.
 Prints a table (median ms, ratio dcp / full, checkpoint MiB) and writes JSON.
 """
 from __future__ import annotations
@@ -55,26 +53,13 @@ def bench(preset: str, rounds: int, root: Path) -> dict:
     booster, model, opt, sched = _stepped(preset)
     times: dict[str, list[float]] = {"dcp_save": [], "dcp_load": [], "full_save": [], "full_load": []}
     size = {}
-    saved = {k: v.clone() for k, v in model.unwrap().state_dict().items()}
-    exact = True
-
-    def wipe() -> None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-
-    def same() -> bool:
-        return all(torch.equal(v, saved[k]) for k, v in model.unwrap().state_dict().items())
-
     for r in range(rounds):
         t = time.perf_counter()
         path = booster.save_checkpoint(checkpoint_dir(root / "dcp", r), model=model, optimizer=opt, lr_scheduler=sched)
         times["dcp_save"].append(time.perf_counter() - t)
-        wipe()
         t = time.perf_counter()
         booster.load_checkpoint(path, model=model, optimizer=opt, lr_scheduler=sched)
         times["dcp_load"].append(time.perf_counter() - t)
-        exact &= same()
         size["dcp"] = _mib(path)
 
         full = checkpoint_dir(root / "full", r)
@@ -84,17 +69,15 @@ def bench(preset: str, rounds: int, root: Path) -> dict:
             save_state(opt.state_dict(), tmp / "optimizer")
             save_state(sched.state_dict(), tmp / "scheduler")
         times["full_save"].append(time.perf_counter() - t)
-        wipe()
         t = time.perf_counter()
         model.unwrap().load_state_dict(load_weights(full / "model.safetensors"))
         opt.load_state_dict(load_state(full / "optimizer"))
         sched.load_state_dict(load_state(full / "scheduler"))
         times["full_load"].append(time.perf_counter() - t)
-        exact &= same()
         size["full"] = _mib(full)
     med = {k: 1000 * statistics.median(v) for k, v in times.items()}
     params = sum(p.numel() for p in model.parameters())
-    return {"preset": preset, "parameters": params, "ms": med, "mib": size, "round_trip_exact": exact,
+    return {"preset": preset, "parameters": params, "ms": med, "mib": size,
             "save_ratio": med["dcp_save"] / med["full_save"], "load_ratio": med["dcp_load"] / med["full_load"]}
 
 
@@ -104,10 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="benchmarks/results/checkpoint_io.json")
-    ap.add_argument("--quick", action="store_true", help="tiny, 1 round")
     args = ap.parse_args()
-    if args.quick:
-        args.presets, args.rounds = "tiny", 1
     torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,12 +95,12 @@ def main() -> None:
             rows.append(bench(preset, args.rounds, Path(tmp) / preset))
             shutil.rmtree(Path(tmp) / preset)
     print(f"{'preset':<7} {'params':>9} {'MiB':>7} {'dcp save':>9} {'full save':>10} {'ratio':>6} "
-          f"{'dcp load':>9} {'full load':>10} {'ratio':>6} {'exact':>6}   (median ms of {args.rounds} rounds)")
+          f"{'dcp load':>9} {'full load':>10} {'ratio':>6}   (median ms of {args.rounds} rounds)")
     for r in rows:
         m = r["ms"]
         print(f"{r['preset']:<7} {r['parameters']:>9,} {r['mib']['dcp']:>7.1f} {m['dcp_save']:>9.1f} "
               f"{m['full_save']:>10.1f} {r['save_ratio']:>5.2f}x {m['dcp_load']:>9.1f} {m['full_load']:>10.1f} "
-              f"{r['load_ratio']:>5.2f}x {str(r['round_trip_exact']):>6}")
+              f"{r['load_ratio']:>5.2f}x")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"machine": machine_info(), "rounds": args.rounds, "rows": rows}, indent=2))
     print(f"wrote {args.json}")
