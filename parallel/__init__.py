@@ -5,6 +5,7 @@ from .compile import compile_blocks
 from .checkpoint import (
     CheckpointIO,
     CheckpointMeta,
+    GeneralCheckpointIO,
     GeneralCheckpointReader,
     checkpoint_dir,
     latest_checkpoint,
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointIO",
     "CheckpointMeta",
     "DynamicLossScaler",
+    "GeneralCheckpointIO",
     "GeneralCheckpointReader",
     "MixedPrecision",
     "ModelWrapper",

@@ -21,11 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tabfm.parallel.sharded_checkpoint as sc
 from tabfm.parallel.state_io import file_sha256
-from tabfm.parallel.checkpoint import CheckpointMeta, checkpoint_dir, latest_checkpoint, list_checkpoints
+from tabfm.parallel.checkpoint import CheckpointMeta, GeneralCheckpointIO, checkpoint_dir, latest_checkpoint, list_checkpoints
 from tabfm.parallel.export import load_exported
 from tabfm.parallel.sharded_checkpoint import DCP_DIR, ShardedCheckpointIO, load_full_model_state
 from tests.dist_utils import run_distributed
-from tests.legacy_checkpoint import save_general_checkpoint
 
 GLOBAL_BATCH, LR = 8, 1e-2
 
@@ -252,7 +251,7 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="unexpected keys"):
         io.load_checkpoint(path, model=nn.Sequential(Block(4, 12)))
     io.load_checkpoint(path, model=nn.Sequential(Block(4, 12)), strict=False)  # a prefix of the model loads
-    general = save_general_checkpoint(tmp_path / "g" / "step_000001", 1, model=model)
+    general = GeneralCheckpointIO().save_checkpoint(tmp_path / "g" / "step_000001", meta(1), model=model)
     with pytest.raises(ValueError, match="'general'"):
         io.load_checkpoint(general, model=model)
     assert_equal(load_full_model_state(general), net.state_dict(), "general via load_full_model_state")
