@@ -299,6 +299,10 @@ def test_cli_bad_inputs_exit_2_with_clear_errors(tmp_path, table_csv, random_exp
     code, err = run_cli(["--data", table_csv, "--target", "y", "--out", out, "--holdout", "1.5"], capsys)
     assert code == 2 and "FinetuneConfig.holdout" in err
 
+    code, err = run_cli(["--data", table_csv, "--target", "y", "--out", out, "--lora-rank", "4", "--tp", "2"], capsys)
+    assert code == 2 and "tp and sp apply to plugin 'hybrid'" in err  # LoRA runs under tp, with the hybrid plugin
+    assert FinetuneConfig(lora_rank=4, plugin="hybrid", tp=2).lora().rank == 4
+
     code, err = run_cli(["--data", table_csv, "--target", "y", "--out", out, "--init", str(tmp_path / "nope")], capsys)
     assert code == 2 and "--init" in err and "nope" in err
 
@@ -427,8 +431,8 @@ def _ddp_finetune(rank: int, world: int, out: str, init: str, csv: str) -> dict:
 
 
 LORA_LAYOUTS = {"ddp": dict(plugin="ddp"), "zero2": dict(plugin="zero", zero_stage=2), "fsdp": dict(plugin="fsdp"),
-                "hybrid-sp2": dict(plugin="hybrid", sp=2), "single": {}}
-LORA_DISTRIBUTED = ("ddp", "zero2", "fsdp", "hybrid-sp2")
+                "hybrid-sp2": dict(plugin="hybrid", sp=2), "hybrid-tp2": dict(plugin="hybrid", tp=2), "single": {}}
+LORA_DISTRIBUTED = ("ddp", "zero2", "fsdp", "hybrid-sp2", "hybrid-tp2")
 
 
 def _lora_cfg(init: str, csv: str, layout: str, steps: int = 4) -> FinetuneConfig:
@@ -442,7 +446,7 @@ def _lora_finetune(rank: int, world: int, out: str, init: str, csv: str, layout:
 
     cfg = _lora_cfg(init, csv, layout)
     result = finetune(cfg, out, plugin=build_plugin(cfg), progress=False)
-    return {"step": result.step, "best": result.best}
+    return {"step": result.step, "best": result.best, "best_step": result.best_step}
 
 
 def _two_rank_runs(rank: int, world: int, root: str, init: str, csv: str) -> dict:
@@ -498,23 +502,32 @@ def test_a_two_rank_ddp_run_resumes_in_one_process(two_rank_runs, random_export,
 def test_lora_under_every_plugin_matches_its_reference_and_resumes_in_one_process(two_rank_runs, tmp_path,
                                                                                    random_export, table_csv):
     """Two ranks. Data parallel (the same two batches per step): LoRA under ZeRO-2 and FSDP trains the
-    adapters DDP trains. Row-sequence parallel (hybrid sp=2, one batch per step): the adapters one
-    process trains. Adapter-only checkpoints within fp32 tolerance; the FSDP run resumes in one process."""
+    adapters DDP trains. Row-sequence and tensor parallel (hybrid sp=2, tp=2: both ranks are handed the same
+    batch, one per step): the adapters one process trains. Adapter-only checkpoints within fp32 tolerance; the
+    FSDP and tp runs resume in one process; the tp run exports (gathered, merged) what one process exports."""
     states = {}
     for layout in LORA_DISTRIBUTED:
         out, got = _ranks(two_rank_runs, f"lora-{layout}")
         assert [r["step"] for r in got] == [4, 4]
         states[layout] = checkpoint_model_state(out / "checkpoints" / "step_000004")
-    finetune(_lora_cfg(random_export, table_csv, "single"), tmp_path / "single", progress=False)
+    single = finetune(_lora_cfg(random_export, table_csv, "single"), tmp_path / "single", progress=False)
     states["single"] = checkpoint_model_state(tmp_path / "single" / "checkpoints" / "step_000004")
-    for layout, reference in (("zero2", "ddp"), ("fsdp", "ddp"), ("hybrid-sp2", "single")):
+    for layout, reference in (("zero2", "ddp"), ("fsdp", "ddp"), ("hybrid-sp2", "single"), ("hybrid-tp2", "single")):
         assert states[layout].keys() == states[reference].keys() and states[layout]
         assert all(k.endswith(("lora_a", "lora_b")) for k in states[layout])
         for k, v in states[reference].items():
             assert torch.allclose(states[layout][k], v, atol=1e-5, rtol=1e-4), (layout, k)
     assert not torch.allclose(states["ddp"][k], states["single"][k], atol=1e-5)  # two batches per step differ
-    fsdp = _ranks(two_rank_runs, "lora-fsdp")[0]
-    again = finetune(_lora_cfg(random_export, table_csv, "single", steps=6), fsdp, progress=False)
-    assert again.step == 6 and again.train.step == 6
-    resume = [r for r in read_metrics(fsdp / "metrics.jsonl") if r["kind"] == "resume"]
-    assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)]
+    tp_out, tp_ranks = _ranks(two_rank_runs, "lora-hybrid-tp2")  # its export: gathered, merged, as one process's
+    assert tp_ranks[0]["best"] == tp_ranks[1]["best"] and [r["best_step"] for r in tp_ranks] == [single.best_step] * 2
+    assert single.best_step > 0  # the exports hold trained adapters, merged (not the init)
+    exported, reference = weights(tp_out / "export"), weights(single.export)
+    assert exported.keys() == reference.keys() and not any("lora" in k for k in exported)
+    for k, v in reference.items():
+        assert torch.allclose(exported[k], v, atol=1e-5, rtol=1e-4), k
+    for name in ("lora-fsdp", "lora-hybrid-tp2"):
+        out = _ranks(two_rank_runs, name)[0]
+        again = finetune(_lora_cfg(random_export, table_csv, "single", steps=6), out, progress=False)
+        assert again.step == 6 and again.train.step == 6
+        resume = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "resume"]
+        assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)], name

@@ -103,7 +103,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", dest="zero_stage", type=int, choices=(1, 2, 3), default=None,
                    help="--plugin zero: 1 (default) or 2; --plugin hybrid: 2 or 3 (FSDP2 over the data-parallel x "
                         "row-sequence ranks; default replicated)")
-    p.add_argument("--tp", type=int, default=None, help="--plugin hybrid: tensor-parallel ranks per table (not with LoRA)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="--plugin hybrid: tensor-parallel ranks per table (LoRA adapters are split beside their weights)")
     p.add_argument("--sp", type=int, default=None, help="--plugin hybrid: row-sequence-parallel ranks per table")
     p.add_argument("--replay-data", dest="replay_data", action="append", default=None, metavar="PATH",
                    help="--replay: replay episodes of these tables (CSV, Parquet, directory or table store; repeat "

@@ -128,6 +128,8 @@ class RowAttention(_FusedAttention):
         b, r, c, _ = x.shape
         if cache is not None and cache.k is not None:
             w = self.qkv.weight
+            if hasattr(w, "to_local"):  # tensor parallel: this rank's heads, as self.qkv(x) computes them
+                w = w.to_local()
             h = w.shape[0] // (3 * self.head_dim)
             w_q = w.view(h, 3, self.head_dim, -1)[:, 0].reshape(h * self.head_dim, -1)  # head-major layout
             q = F.linear(x, w_q).view(b, r, c, h, self.head_dim).permute(0, 2, 3, 1, 4).reshape(b * c, h, r, self.head_dim)

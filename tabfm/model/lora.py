@@ -6,7 +6,9 @@ freezes every other parameter. Every reader of `linear.weight` (the layer's forw
 attention's cached-query path, an export) sees the adapted weight, so nothing in the model
 changes for adapters. B starts at zero: an adapted model computes exactly what its base does
 until the first step. `merge_adapters(state)` folds the adapters of a state dict into plain
-weights (what an export holds: one ordinary safetensors file the estimators load).
+weights (what an export holds: one ordinary safetensors file the estimators load). Under tensor
+parallelism the engine splits each adapter beside its weight, as `LowRankUpdate.tp_shard_dims` declares
+(tabfm.parallel.tensor_parallel: parametrized layers); the parameter names stay the same.
 
 Our own small module rather than `peft`: peft wraps layers in its own classes (and pulls in
 transformers), which the row attention's direct weight reads and the engine's plans by module
@@ -67,6 +69,18 @@ class LowRankUpdate(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight + self.scale * (self.lora_b @ self.lora_a)
+
+    def tp_shard_dims(self, style: str) -> dict[str, int | None]:
+        """How tensor parallelism splits the adapter beside a weight it splits by `style` (the engine's
+        protocol for parametrized layers, tabfm.parallel.tensor_parallel): {parameter: the dim sharded
+        over the tp ranks, None: replicated}. B @ A then comes out split as the weight is, with no
+        communication: colwise (W's output rows, dim 0, split) shards B's rows; rowwise (W's input
+        columns, dim 1, split) shards A's columns; the rank-r factor is whole on every rank."""
+        if style == "colwise":
+            return {"lora_b": 0, "lora_a": None}
+        if style == "rowwise":
+            return {"lora_a": 1, "lora_b": None}
+        raise ValueError(f"LowRankUpdate: no tensor-parallel layout for style {style!r} (colwise or rowwise)")
 
 
 def adapter_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:

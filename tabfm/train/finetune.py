@@ -102,7 +102,9 @@ class FinetuneConfig:
                    tensor- and row-sequence-parallel ranks per table
     lora_rank      None: full fine-tuning; r: low-rank adapters of rank r on `lora_targets` (the blocks'
                    attention and MLP projections by default), everything else frozen, merged into the
-                   weights at export (tabfm.model.lora); lora_alpha scales the update by alpha / r (None: r)
+                   weights at export (tabfm.model.lora); lora_alpha scales the update by alpha / r (None: r).
+                   Every plugin trains them: ZeRO and FSDP shard adapters as they shard weights, tp splits
+                   each adapter beside its weight (B's rows of a colwise layer, A's columns of a rowwise one)
     """
 
     data: str | None = None
@@ -228,8 +230,6 @@ class FinetuneConfig:
              f"with plugin {self.plugin!r} must be None" + (f" or one of {stages}" if stages else ""))
         need(self.plugin == "hybrid" or (self.tp, self.sp) == (1, 1), "tp", "tp and sp apply to plugin 'hybrid'")
         need(integer(self.tp) and self.tp >= 1 and integer(self.sp) and self.sp >= 1, "tp", "tp and sp must be integers >= 1")
-        need(self.lora_rank is None or self.tp == 1, "tp", "LoRA adapters are not tensor-parallel yet: use tp 1 "
-             "(sp, ZeRO and FSDP shard adapters as they shard weights)")
         need(self.categorical in CATEGORICAL_MODES, "categorical", f"must be one of {CATEGORICAL_MODES}")
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 < self.holdout < 1.0, "holdout", "must be a fraction in (0, 1): fine-tuning is judged on held-out rows")
