@@ -5,7 +5,6 @@ from .compile import compile_blocks
 from .checkpoint import (
     CheckpointIO,
     CheckpointMeta,
-    GeneralCheckpointIO,
     GeneralCheckpointReader,
     checkpoint_dir,
     latest_checkpoint,
@@ -35,7 +34,6 @@ __all__ = [
     "CheckpointIO",
     "CheckpointMeta",
     "DynamicLossScaler",
-    "GeneralCheckpointIO",
     "GeneralCheckpointReader",
     "MixedPrecision",
     "ModelWrapper",

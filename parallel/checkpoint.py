@@ -2,8 +2,9 @@
 
 A checkpoint is a directory `step_000123/` holding
 
-    model.safetensors                 model weights (full, unsharded for GeneralCheckpointIO)
-    optimizer.json/.safetensors       optimizer state (state_io format)
+    dcp/*.safetensors                 model weights and optimizer tensors, each rank's part
+                                      (torch.distributed.checkpoint; `sharded_checkpoint.py`)
+    optimizer.json                    optimizer hyperparameters and scalar state
     scheduler.json                    LR scheduler state
     extra.json/.safetensors           trainer state passed as `extra`, plus RNG states
     manifest.json                     written last: format, step, plugin, layout, versions, files
@@ -14,9 +15,12 @@ size and sha256. `latest_checkpoint(root)` only counts directories with a manife
 are all present with the recorded sizes; `resumable_checkpoint(root)` also verifies the hashes
 (what a resume trusts) and says what was wrong with every newer checkpoint it passed over.
 
-`CheckpointIO` is the seam plugins own: `GeneralCheckpointIO` writes full tensors from one
-process; sharded plugins return a torch.distributed.checkpoint-based implementation that
-keeps this directory contract (manifest, atomic rename, `extra`, `export`).
+`CheckpointIO` is the seam plugins own; every plugin writes through the one
+torch.distributed.checkpoint implementation (`ShardedCheckpointIO`, a single process
+included), which keeps this directory contract (manifest, atomic rename, `extra`, `export`).
+`GeneralCheckpointReader` still reads the full-tensor "general" checkpoints
+(`model.safetensors`, `optimizer.json/.safetensors`) that single-process runs wrote before, so
+their runs resume.
 """
 from __future__ import annotations
 
@@ -417,26 +421,3 @@ class GeneralCheckpointReader:
             ranks = state.get("rng_ranks")
             restore_rng_state(ranks[rank] if isinstance(ranks, list) and len(ranks) == world else state["rng"])
         return state["trainer"]
-
-
-class GeneralCheckpointIO(GeneralCheckpointReader, CheckpointIO):
-    """Full (unsharded) tensors written by this process: the single-process reference."""
-
-    def _rank_world(self) -> tuple[int, int]:
-        return 0, 1
-
-    def save_checkpoint(self, path, meta, model=None, optimizer=None, lr_scheduler=None, extra=None, keep_last=None):
-        path = Path(path)
-        with atomic_directory(path) as tmp:
-            if model is not None:
-                state = unwrap_model(model).state_dict()
-                save_weights(state if meta.frozen else without_frozen(model, state), tmp / "model.safetensors")
-            if optimizer is not None:
-                save_state(optimizer.state_dict(), tmp / "optimizer")
-            if lr_scheduler is not None:
-                save_state(lr_scheduler.state_dict(), tmp / "scheduler")
-            save_state({"trainer": dict(extra or {}), "rng": capture_rng_state()}, tmp / "extra")
-            write_manifest(tmp, meta, self.name)
-        if keep_last is not None:
-            prune_checkpoints(path.parent, keep_last, keep=path)
-        return path

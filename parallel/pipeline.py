@@ -57,6 +57,7 @@ from .sharded_checkpoint import (
     ShardedCheckpointIO,
     _check_groups,
     _get_optimizer_state,
+    _initialised_optimizer_state,
     _StateHolder,
 )
 from .state_io import load_state
@@ -460,7 +461,8 @@ class PipelineCheckpointIO(ShardedCheckpointIO):
         doc = load_state(path / "optimizer")
         if not isinstance(doc, dict) or not {"param_groups", "state"} <= doc.keys():
             raise ValueError(f"{path / 'optimizer.json'}: expected keys 'param_groups' and 'state'")
-        template = _get_optimizer_state(module, optim)
+        stepped = bool(doc["state"])  # False: saved before the first step, only hyperparameters to set
+        template = (_initialised_optimizer_state if stepped else _get_optimizer_state)(module, optim)
         own = {n for g in template["param_groups"] for n in g["params"]}
         groups = [{**g, "params": [n for n in g["params"] if n in own]} for g in doc["param_groups"]]
         _check_groups(groups, template["param_groups"], path)
@@ -477,7 +479,7 @@ class PipelineCheckpointIO(ShardedCheckpointIO):
                 if flat not in saved or tuple(saved[flat][0]) != tuple(value.shape):
                     raise ValueError(f"{path}: optimizer state {name!r}/{key!r} is missing or has another shape")
                 state[name][key] = targets[flat] = value
-        return {"saved": {**doc, "param_groups": groups}, "state": state}
+        return {"saved": {**doc, "param_groups": groups}, "state": state if stepped else None}
 
     def export(self, model: nn.Module, out_dir: Any, config: dict[str, Any], transform: Any = None) -> Any:
         """Every stage's weights, broadcast over the pp group in model order; rank 0 writes them."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from .checkpoint import CheckpointIO, GeneralCheckpointIO
+from .checkpoint import CheckpointIO, GeneralCheckpointReader
 from .parallelize import parallelize
 from .plan import plan_of
 from .precision import MixedPrecision
@@ -36,7 +36,10 @@ class Plugin(ABC):
     def __init__(self, precision: "str | MixedPrecision | None" = None) -> None:
         self._precision_given = precision is not None
         self.precision = self._check_precision(MixedPrecision.of(precision))
-        self._checkpoint_io: CheckpointIO = GeneralCheckpointIO()
+        # one checkpoint IO for every layout (DCP); older full-tensor "general" checkpoints still load
+        from .sharded_checkpoint import ShardedCheckpointIO
+
+        self._checkpoint_io: CheckpointIO = ShardedCheckpointIO(None, fallback=GeneralCheckpointReader())
 
     # --- topology --------------------------------------------------------------------------
     @property

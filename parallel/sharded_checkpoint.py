@@ -171,13 +171,25 @@ def _split_state(state: dict[str, dict[str, Any]]) -> tuple[dict[str, torch.Tens
 
 
 def _get_optimizer_state(module: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]} of this rank."""
-    if isinstance(optim, ZeroRedundancyOptimizer):
+    """{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]} of this rank.
+
+    A never-stepped optimizer reads as no state: torch's reader would first create one with a
+    zero-lr step, which counts as Adam's first step, so saving at step 0 would change the run."""
+    if isinstance(optim, ZeroRedundancyOptimizer) or not optim.state:
+        inner = optim.optim if isinstance(optim, ZeroRedundancyOptimizer) else optim  # ZeRO: this rank's partition
         fqn = _param_fqns(module)
-        state = {fqn[id(p)]: dict(s) for p, s in optim.optim.state.items()}  # this rank's partition only
+        state = {fqn[id(p)]: dict(s) for p, s in inner.state.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn[id(p)] for p in g["params"]]}
                   for g in optim.param_groups]
         return {"state": state, "param_groups": groups}
+    return _initialised_optimizer_state(module, optim)
+
+
+def _initialised_optimizer_state(module: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's optimizer state dict by fqn; a fresh optimizer gets zero-initialised state first (the
+    tensors a checkpoint's state loads into). ZeRO: this rank's partition, as it is."""
+    if isinstance(optim, ZeroRedundancyOptimizer):
+        return _get_optimizer_state(module, optim)
     try:
         return get_optimizer_state_dict(module, optim)
     except Exception as e:
@@ -417,7 +429,10 @@ class ShardedCheckpointIO(CheckpointIO):
         if any(p.grad is not None for g in optim.param_groups for p in g["params"]) and not optim.state:
             raise ValueError(f"cannot load {path} into an optimizer whose parameters have gradients but no "
                              "state yet: load before the first backward (or zero_grad(set_to_none=True))")
-        template = _get_optimizer_state(module, optim)  # fresh optimizers get zero-initialised state
+        if not doc["state"]:  # saved before the first step: only the hyperparameters to set
+            _check_groups(doc["param_groups"], _get_optimizer_state(module, optim)["param_groups"], path)
+            return {"saved": doc, "state": None}
+        template = _initialised_optimizer_state(module, optim)
         _check_groups(doc["param_groups"], template["param_groups"], path)
         state = {}
         for name, entry in template["state"].items():
@@ -447,11 +462,16 @@ class ShardedCheckpointIO(CheckpointIO):
             fqn = _param_fqns(module)
             local = optim.optim.state_dict()
             names = [fqn[id(p)] for g in optim.optim.param_groups for p in g["params"]]
-            local["state"] = {i: opt["state"][n] for i, n in enumerate(names) if n in opt["state"]}
+            own = opt["state"] or {}
+            local["state"] = {i: own[n] for i, n in enumerate(names) if n in own}
             optim.optim.load_state_dict(local)
             for mine, theirs in zip(optim.param_groups, groups):  # ZeRO copies them to its local optimizer
                 mine.update({k: v for k, v in theirs.items() if k != "params"})
             for mine, theirs in zip(optim.optim.param_groups, groups):
+                mine.update({k: v for k, v in theirs.items() if k != "params"})
+            return
+        if opt["state"] is None:  # never stepped: leave it without state, as it was saved
+            for mine, theirs in zip(optim.param_groups, groups):
                 mine.update({k: v for k, v in theirs.items() if k != "params"})
             return
         set_optimizer_state_dict(module, optim, {"state": opt["state"], "param_groups": groups})

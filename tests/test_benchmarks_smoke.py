@@ -177,6 +177,14 @@ def test_query_chunks_quick(tmp_path):
     assert all(r["last_row_alone_equal"] and r["padded_s"] > 0 and r["unpadded_s"] > 0 for r in data["rows"])
 
 
+def test_checkpoint_io_quick(tmp_path):
+    """One DCP and one plain-safetensors save/load of tiny: both bring zeroed weights back exactly."""
+    data, stdout = _run_benchmark("checkpoint_io", [], tmp_path, timeout_s=300)
+    (row,) = data["rows"]
+    assert "dcp save" in stdout and row["preset"] == "tiny" and row["round_trip_exact"] is True
+    assert row["ms"]["dcp_save"] > 0 and row["mib"]["dcp"] > 5
+
+
 def test_activation_checkpointing_quick(tmp_path):
     """Checkpointed blocks keep less for backward at bit-identical losses; the run writes its table and JSON."""
     data, stdout = _run_benchmark("activation_checkpointing", [], tmp_path, timeout_s=300)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import tabfm.parallel.checkpoint as ckpt_mod
+import tabfm.parallel.sharded_checkpoint as sharded_mod
 from tabfm.parallel.state_io import file_sha256
 from tabfm.parallel import (
     Booster,
@@ -27,6 +27,7 @@ from tabfm.parallel import (
     load_state,
     save_state,
 )
+from tests.legacy_checkpoint import save_general_checkpoint
 
 # --- state_io ------------------------------------------------------------------------------
 
@@ -157,6 +158,12 @@ def make_run(seed: int = 0, precision: str = "fp32"):
     return booster, model, opt, sched
 
 
+def shard_file(ckpt):
+    """The one DCP shard a single-process checkpoint writes (weights and optimizer tensors)."""
+    (shard,) = (ckpt / "dcp").glob("*.safetensors")
+    return shard
+
+
 def train_steps(model, opt, sched, booster, steps: int) -> None:
     """Batches come from torch, numpy and python RNGs, so a resume must restore all three."""
     for _ in range(steps):
@@ -196,6 +203,27 @@ def test_resume_is_bitwise_identical(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_general_checkpoint_of_an_earlier_version_resumes_bitwise(tmp_path):
+    """Single-process runs wrote full tensors ("general") before every plugin went through DCP;
+    such a run still resumes, through the fallback reader, exactly where it left off."""
+    seed_all(123)
+    booster, model, opt, sched = make_run()
+    train_steps(model, opt, sched, booster, 8)
+    reference = [p.detach().clone() for p in model.parameters()]
+    seed_all(123)
+    booster, model, opt, sched = make_run()
+    train_steps(model, opt, sched, booster, 4)
+    path = save_general_checkpoint(checkpoint_dir(tmp_path, 4), 4, model=model, optimizer=opt, lr_scheduler=sched,
+                                   extra={"step": 4})
+    assert (path / "model.safetensors").is_file() and not (path / "dcp").exists()
+    seed_all(999)
+    booster, model, opt, sched = make_run(seed=7)
+    assert booster.load_checkpoint(path, model=model, optimizer=opt, lr_scheduler=sched) == {"step": 4}
+    train_steps(model, opt, sched, booster, 4)
+    for a, b in zip(model.parameters(), reference):
+        assert torch.equal(a, b)
+
+
 def test_resume_without_rng_restore_differs(tmp_path):
     """Guards the test above: it would notice if RNG states were not restored."""
     seed_all(123)
@@ -217,9 +245,9 @@ def test_checkpoint_layout_and_manifest(tmp_path):
     train_steps(model, opt, sched, booster, 2)
     path = booster.save_checkpoint(tmp_path / "step_000002", model=model, optimizer=opt, lr_scheduler=sched,
                                    extra={"step": 2})
-    names = sorted(p.name for p in path.iterdir())
-    assert names == ["extra.json", "extra.safetensors", "manifest.json", "model.safetensors",
-                     "optimizer.json", "optimizer.safetensors", "scheduler.json"]
+    names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    assert names == ["dcp/shard-00001-model-00001-of-00001.safetensors", "extra.json", "extra.safetensors",
+                     "manifest.json", "optimizer.json", "scheduler.json"]  # one DCP shard: weights + moments
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["plugin"] == "single" and manifest["precision"] == "fp16"
     assert manifest["layout"] == {"world_size": 1, "dp": 1, "tp": 1, "sp": 1, "pp": 1}
@@ -252,18 +280,18 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     booster, model, opt, sched = make_run()
     train_steps(model, opt, sched, booster, 1)
     good = booster.save_checkpoint(checkpoint_dir(tmp_path, 1), model=model, optimizer=opt, lr_scheduler=sched)
-    good_bytes = {p.name: p.read_bytes() for p in good.iterdir()}
+    good_bytes = {p: p.read_bytes() for p in good.rglob("*") if p.is_file()}
     train_steps(model, opt, sched, booster, 1)
 
-    def crash(*a, **k):  # model.safetensors is already written when this runs
+    def crash(*a, **k):  # the DCP shard is already written when this runs
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt_mod, "save_state", crash)
+    monkeypatch.setattr(sharded_mod, "save_state", crash)
     with pytest.raises(OSError, match="disk full"):
         booster.save_checkpoint(checkpoint_dir(tmp_path, 2), model=model, optimizer=opt, lr_scheduler=sched)
     monkeypatch.undo()
     assert not checkpoint_dir(tmp_path, 2).exists()
-    assert {p.name: p.read_bytes() for p in good.iterdir()} == good_bytes
+    assert {p: p.read_bytes() for p in good.rglob("*") if p.is_file()} == good_bytes
     assert latest_checkpoint(tmp_path) == good
 
     # a hard kill leaves debris behind: a tmp dir, and (from some other tool) a dir without manifest
@@ -282,10 +310,10 @@ def test_truncated_file_makes_checkpoint_incomplete(tmp_path):
     booster, model, opt, sched = make_run()
     first = booster.save_checkpoint(checkpoint_dir(tmp_path, 1), model=model, optimizer=opt)
     second = booster.save_checkpoint(checkpoint_dir(tmp_path, 2), model=model, optimizer=opt)
-    data = (second / "model.safetensors").read_bytes()
-    (second / "model.safetensors").write_bytes(data[:-8])
+    shard = shard_file(second)
+    shard.write_bytes(shard.read_bytes()[:-8])
     assert latest_checkpoint(tmp_path) == first
-    with pytest.raises(ValueError, match="model.safetensors has"):
+    with pytest.raises(ValueError, match=r"dcp/shard-00001-model-00001-of-00001.safetensors has"):
         booster.load_checkpoint(second, model=model)
 
 
@@ -304,13 +332,13 @@ def test_model_mismatch_raises_value_error(tmp_path):
     booster, model, opt, sched = make_run()
     path = booster.save_checkpoint(tmp_path / "step_000001", model=model)
     wider = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    with pytest.raises(ValueError, match=r"'0.weight'.*shape.*model.safetensors|model.safetensors.*'0.weight'"):
+    with pytest.raises(ValueError, match=r"step_000001: key '0.weight' has shape \[16, 4\], model expects \[8, 4\]"):
         booster.load_checkpoint(path, model=wider)
     deeper = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1), nn.Linear(1, 1))
     with pytest.raises(ValueError, match=r"missing keys \['3.bias', '3.weight'\]"):
         booster.load_checkpoint(path, model=deeper)
     with pytest.raises(ValueError, match="missing file .*optimizer.json"):
-        booster.load_checkpoint(path, optimizer=opt)
+        booster.load_checkpoint(path, model=model, optimizer=opt)
 
 
 def test_step_is_required(tmp_path):

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tabfm.parallel import Booster, MixedPrecision, ParallelPlan, SingleProcessPlugin
 from tests.dist_utils import run_distributed
+from tests.legacy_checkpoint import save_general_checkpoint
 
 N, GLOBAL_BATCH, STEPS, ACCUM, CLIP = 32, 16, 5, 2, 1.3  # CLIP binds on some steps, not all
 # per precision: (params atol, loss atol, grad-norm rtol). Measured gaps to the single-process
@@ -274,7 +275,7 @@ def single_checkpoint(root: Path) -> tuple[Path, dict]:
     booster, model, opt, crit = setup(SingleProcessPlugin(device="cpu"), "fp32")
     data = batches(DataLoader(make_dataset(), batch_size=GLOBAL_BATCH), 5)
     train(booster, model, opt, crit, data[:3])
-    path = booster.save_checkpoint(root / "single" / "step_000003", model=model, optimizer=opt, extra={"step": 3})
+    path = save_general_checkpoint(root / "single" / "step_000003", 3, model=model, optimizer=opt, extra={"step": 3})
     at_save = params(model)
     train(booster, model, opt, crit, data[3:])
     return path, {"at_save": at_save, "final": params(model)}

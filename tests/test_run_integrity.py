@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from tabfm.cli import main
 from tabfm.parallel import load_exported
 from tabfm.parallel.checkpoint import verify_checkpoint
+from tabfm.parallel.sharded_checkpoint import load_full_model_state
 from tabfm.parallel.state_io import file_sha256, save_weights
 from tabfm.train.metrics_log import read_metrics
 
@@ -38,6 +39,8 @@ def flip(path: Path, offset: int = 4096, count: int = 64) -> None:
     data[start:start + count] = bytes(255 - b for b in data[start:start + count])
     path.write_bytes(bytes(data))
 
+SHARD = "dcp/shard-00001-model-00001-of-00001.safetensors"  # a one-process checkpoint's tensors (DCP)
+
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
@@ -49,7 +52,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_manifest_records_every_file_with_its_sha256(uninterrupted):
     ckpt = uninterrupted / "checkpoints" / "step_000004"
     doc = verify_checkpoint(ckpt)
-    assert {"model.safetensors", "optimizer.json", "extra.json"} <= doc["files"].keys()
+    assert {SHARD, "optimizer.json", "extra.json"} <= doc["files"].keys()
     for name, entry in doc["files"].items():
         assert entry == {"bytes": (ckpt / name).stat().st_size, "sha256": file_sha256(ckpt / name)}
     config = json.loads((uninterrupted / "export" / "config.json").read_text())
@@ -60,9 +63,9 @@ def test_damaged_newest_checkpoint_resumes_from_the_one_before(uninterrupted, tm
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     shutil.rmtree(out / "export")
-    flip(out / "checkpoints" / "step_000004" / "model.safetensors")  # same size: bytes changed
+    flip(out / "checkpoints" / "step_000004" / SHARD)  # same size: bytes changed
     (out / "checkpoints" / ".tmp-step_000006-123").mkdir()  # what a kill mid-save leaves
-    with pytest.warns(UserWarning, match=r"step_000004: .*model.safetensors does not match the sha256"):
+    with pytest.warns(UserWarning, match=r"step_000004: .*dcp/shard-00001-model-00001-of-00001.safetensors does not match the sha256"):
         assert train(out, "--steps", "5") == 0
     assert not (out / "checkpoints" / ".tmp-step_000006-123").exists()
     assert train_steps(out) == [1, 2, 3, 4, 5]  # steps 3, 4 redone from step 2 and logged once
@@ -77,7 +80,7 @@ def test_only_checkpoint_damaged_is_refused_and_restart_starts_over(uninterrupte
         shutil.rmtree(out / "checkpoints" / old)
     ckpt = out / "checkpoints" / "step_000004"
     if damage == "truncate":
-        weights = ckpt / "model.safetensors"
+        weights = ckpt / SHARD
         weights.write_bytes(weights.read_bytes()[:1000])
     elif damage == "no-manifest":
         (ckpt / "manifest.json").unlink()
@@ -169,13 +172,13 @@ def test_a_nan_step_is_skipped_counted_and_logged(tmp_path, monkeypatch):
 def test_diverged_run_stops_with_a_checkpoint_from_before(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     assert train(out, "--steps", "2") == 0  # two good steps, checkpoint at step 2
-    good = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
+    good = load_full_model_state(out / "checkpoints" / "step_000002")
     _nan_loss_at(monkeypatch, None)
     assert train(out, "--max-bad-steps", "3") == 1
     err = capsys.readouterr().err
     assert "3 steps in a row had a non-finite loss" in err and "step_000002" in err
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "skipped"] == [2, 2, 2]
-    after = load_file(out / "checkpoints" / "step_000002" / "model.safetensors")
+    after = load_full_model_state(out / "checkpoints" / "step_000002")
     for k, v in good.items():
         assert torch.equal(after[k], v), k
 

@@ -20,11 +20,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tabfm.parallel.sharded_checkpoint as sc
-from tabfm.parallel.state_io import file_sha256
-from tabfm.parallel.checkpoint import CheckpointMeta, GeneralCheckpointIO, checkpoint_dir, latest_checkpoint, list_checkpoints
+from tabfm.parallel.state_io import file_sha256, load_state
+from tabfm.parallel.checkpoint import CheckpointMeta, checkpoint_dir, latest_checkpoint, list_checkpoints
 from tabfm.parallel.export import load_exported
 from tabfm.parallel.sharded_checkpoint import DCP_DIR, ShardedCheckpointIO, load_full_model_state
 from tests.dist_utils import run_distributed
+from tests.legacy_checkpoint import save_general_checkpoint
 
 GLOBAL_BATCH, LR = 8, 1e-2
 
@@ -172,6 +173,24 @@ def test_round_trip_single_process_is_bitwise_and_pickle_free(tmp_path, monkeypa
     assert_equal(full, {**saved["params"], **saved["buffers"]}, "load_full_model_state")
 
 
+
+def test_a_checkpoint_before_the_first_step_changes_nothing(tmp_path):
+    """Saving a never-stepped AdamW, and resuming from that checkpoint, trains exactly as a run that never
+    saved: no state appears (torch's reader would create one with a zero-lr step, which AdamW counts)."""
+    ref_net, ref_model, ref_opt, ref_sched = build("single")
+    net, model, opt, sched = build("single")
+    path = ShardedCheckpointIO().save_checkpoint(checkpoint_dir(tmp_path, 0), meta(0), model=model, optimizer=opt,
+                                                 lr_scheduler=sched)
+    assert not opt.state and load_state(path / "optimizer")["state"] == {}
+    net2, model2, opt2, sched2 = build("single", seed=5)
+    ShardedCheckpointIO().load_checkpoint(path, model=model2, optimizer=opt2, lr_scheduler=sched2)
+    assert not opt2.state and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    for s in range(3):
+        for m, o, sc_ in ((ref_model, ref_opt, ref_sched), (model, opt, sched), (model2, opt2, sched2)):
+            train_step(m, o, sc_, s)
+    assert_equal(params(net), params(ref_net), "saved at step 0, went on")
+    assert_equal(params(net2), params(ref_net), "resumed from step 0")
+
 def test_checkpoint_files_are_safetensors_and_json_only(tmp_path):
     path, _, _ = _train_and_save(tmp_path)
     files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -251,7 +270,7 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="unexpected keys"):
         io.load_checkpoint(path, model=nn.Sequential(Block(4, 12)))
     io.load_checkpoint(path, model=nn.Sequential(Block(4, 12)), strict=False)  # a prefix of the model loads
-    general = GeneralCheckpointIO().save_checkpoint(tmp_path / "g" / "step_000001", meta(1), model=model)
+    general = save_general_checkpoint(tmp_path / "g" / "step_000001", 1, model=model)
     with pytest.raises(ValueError, match="'general'"):
         io.load_checkpoint(general, model=model)
     assert_equal(load_full_model_state(general), net.state_dict(), "general via load_full_model_state")
