@@ -2,7 +2,7 @@
 
 Anomaly score of a row = sum over its source columns of the negative log-likelihood of the
 column's value when that column is hidden (all its encoded parts at once) and predicted from the
-row's other cells, with the fitted rows as context. Numeric NLLs are taken on the context-
+row's cells left visible, with the fitted rows as context. Numeric NLLs are taken on the context-
 standardised scale (z-NLL: the original-scale density NLL minus log std), so columns with big
 units do not dominate; categorical NLL is -log p(category). Scored parts: numeric values (and
 their inf flag), categories that fit the model's head, a datetime's epoch, a text's length and
@@ -12,8 +12,20 @@ No leakage on the fitted rows: they are split into `n_folds` random folds, and a
 equals a fitted row (same encoded values) is scored with that row's fold left out of the context.
 Other rows have all fitted rows as context.
 
-Each (member, fold, column group) context is encoded once and reused for every hidden column
-(`ContextPredictor`), so scoring costs about the query copies alone.
+Query copies (`columns_per_copy`): each query row is replicated once per group of source columns
+hidden together. A member splits the scored source columns of each of its column groups into a
+seeded random partition (near-equal groups of at most `columns_per_copy` columns, or, for a float,
+that fraction of them), drawn from the member's seed: fixed at fit, independent of the rows
+scored, different from member to member, so the ensemble averages over partitions. A copy hides
+one group, each of its columns is predicted from the cells outside the group, and every scored cell
+is hidden in exactly one copy per member. 1 (the default) hides every column alone: its NLL given
+all the other cells of the row. Pretraining hid 5-30 % of a table's observed cells at random
+(imputation episodes, `synth.stream.StreamConfig.mask_fraction`), so hiding a few of a row's cells
+at once is within what the model was trained on.
+
+Cost: each (member, fold, column group) context is encoded once and reused for every query copy
+(`ContextPredictor`), so scoring costs about the query copies alone, n_rows x (number of copies)
+row passes per member: n_rows x ceil(scored columns / columns_per_copy).
 
 sklearn convention (as IsolationForest): score_samples = -score, so HIGHER = MORE NORMAL;
 offset_ = the `contamination` quantile of score_samples over at most `max_offset_rows` fitted rows
@@ -45,6 +57,8 @@ from .ensemble import subsample
 
 FOLD_KEY = 7  # keys the fold assignment's generator apart from the members'
 OFFSET_KEY = 8  # keys the offset rows' generator apart
+COPY_KEY = 9  # keys a member's partition of the scored columns into query copies apart from its other choices
+DEFAULT_COLUMNS_PER_COPY = 1
 
 
 def _z_nll(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
@@ -65,6 +79,11 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
     contamination  expected fraction of outliers in the fitted rows, in (0, 0.5]: sets offset_.
     n_folds        folds of the fitted rows for leakage-free scoring of those rows (>= 2).
     max_offset_rows  fitted rows scored at fit to set offset_ (None = all of them).
+    columns_per_copy  source columns hidden together in one query copy of a row: an int >= 1 (at most
+                   that many), or a float in (0, 1] (that fraction of a column group's scored source
+                   columns, rounded up; 1.0 = all at once). Each scored column is hidden in exactly
+                   one copy per member (a seeded partition per member); cost ~ 1 / columns_per_copy.
+                   Default 1: every column hidden alone (see the module docstring).
     Other parameters: see TabFMEstimator.
     """
 
@@ -74,13 +93,14 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None,
                  contamination: float = 0.1, n_folds: int = 5, max_offset_rows: int | None = 512,
-                 backend: str = "torch") -> None:
+                 backend: str = "torch", columns_per_copy: int | float = DEFAULT_COLUMNS_PER_COPY) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, backend=backend)
         self.contamination = contamination
         self.n_folds = n_folds
         self.max_offset_rows = max_offset_rows
+        self.columns_per_copy = columns_per_copy
 
     def fit(self, X: Any, y: Any = None) -> "TabFMAnomalyDetector":
         if not isinstance(self.contamination, (float, int)) or not 0.0 < self.contamination <= 0.5:
@@ -90,6 +110,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         limit = self.max_offset_rows
         if limit is not None and (not isinstance(limit, (int, np.integer)) or isinstance(limit, bool) or limit < 1):
             raise ValueError(f"max_offset_rows must be None or an int >= 1, got {limit!r}")
+        self._check_columns_per_copy()
         self._fit_table(X)
         n = len(self.train_x_)
         if n < 2:
@@ -119,6 +140,25 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         return np.where(self.decision_function(X) < 0, -1, 1)
 
     # ------------------------------------------------------------------ scoring
+    def _check_columns_per_copy(self) -> None:
+        value = getattr(self, "columns_per_copy", DEFAULT_COLUMNS_PER_COPY)  # pickled before the parameter existed
+        ok = (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1) or \
+             (isinstance(value, (float, np.floating)) and 0.0 < value <= 1.0)
+        if not ok:
+            raise ValueError("columns_per_copy must be an int >= 1 (source columns hidden together per query copy) "
+                             f"or a float in (0, 1] (that fraction of the scored columns), got {value!r}")
+
+    def _copies(self, n_units: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """A partition of a column group's `n_units` scored source columns (indices) into the groups one
+        query copy each hides: ceil(n_units / k) groups of near-equal size (at most k = columns_per_copy
+        each), in a random order drawn from `rng`; k = 1 is one column per copy in column order."""
+        value = getattr(self, "columns_per_copy", DEFAULT_COLUMNS_PER_COPY)
+        k = int(np.ceil(value * n_units - 1e-9)) if isinstance(value, (float, np.floating)) else int(value)
+        k = max(1, min(k, n_units))
+        if k == 1:
+            return [np.array([i]) for i in range(n_units)]
+        return np.array_split(rng.permutation(n_units), -(-n_units // k))
+
     def _scored_parts(self, rt: Runtime) -> np.ndarray:
         """Encoded columns whose NLL counts (see the module docstring)."""
         kind, card = self._kind, self._card
@@ -144,44 +184,57 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         if not scored.any():
             raise ValueError("no column can be scored: every column is constant, text-hashed or has more "
                              f"categories than the model's head ({rt.max_categories})")
+        self._check_columns_per_copy()
         fold = self._fold_of(x)
         members = self._members(cover_all=True)
         total = np.zeros(len(x))
         folds = np.unique(fold)
         with self._bar(sum(len(m.column_groups) for m in members) * len(folds), "score_samples") as bar:
             for m in members:
+                # the member's query copies of each column group: fixed at fit, whatever rows are scored
+                copies = [self._copies(len(self._group_units(group, scored[group])), m.rng(COPY_KEY, g))
+                          for g, group in enumerate(m.column_groups)]
                 for f in folds:
                     rows = np.flatnonzero(fold == f)
                     pool = np.arange(len(self.train_x_)) if f < 0 else np.flatnonzero(self.folds_ != f)
                     ctx_rows = subsample(m.rng(0, int(f) + 1), pool, self.max_context_rows)
-                    for group in m.column_groups:
+                    for group, parts in zip(m.column_groups, copies):
                         context = self._context(rt.for_member(m), m.view(self.train_x_[ctx_rows], group),
                                                 self._kind[group], self._card[group])
-                        total[rows] += self._group_scores(context, m.view(x[rows], group), scored[group], group)
+                        total[rows] += self._group_scores(context, m.view(x[rows], group), scored[group], group,
+                                                          parts)
                         bar.update()
         return total / len(members)
 
-    def _group_scores(self, context: ContextPredictor, query: np.ndarray, scored: np.ndarray,
-                      group: np.ndarray) -> np.ndarray:
-        """Summed NLL per query row over the source columns of one column group, each hidden in turn.
-
-        Query rows are replicated, one copy per hidden source column, as many columns per pass as
-        fit in `chunk_size` rows.
-        """
+    def _group_units(self, group: np.ndarray, scored: np.ndarray) -> list[np.ndarray]:
+        """Positions in `group` of each scored source column's encoded parts, in column order."""
         in_group = set(group.tolist())
         units = [np.flatnonzero(np.isin(group, u)) for u in self._units() if int(u[0]) in in_group]
-        units = [u for u in units if scored[u].any()]
+        return [u for u in units if scored[u].any()]
+
+    def _group_scores(self, context: ContextPredictor, query: np.ndarray, scored: np.ndarray,
+                      group: np.ndarray, copies: list[np.ndarray] | None = None) -> np.ndarray:
+        """Summed NLL per query row over the source columns of one column group.
+
+        Query rows are replicated, one copy per entry of `copies` (a partition of the group's scored
+        source columns, `_copies`; default one column per copy), whose columns the copy hides at
+        once; as many copies per pass as fit in `chunk_size` rows.
+        """
+        units = self._group_units(group, scored)
+        copies = [np.array([i]) for i in range(len(units))] if copies is None else copies
         n_q = len(query)
         observed = ~np.isnan(query) & scored[None, :]
         out = np.zeros(n_q)
         per_pass = max(1, self.chunk_size // max(n_q, 1))
-        for start in range(0, len(units), per_pass):
-            block = units[start:start + per_pass]
+        for start in range(0, len(copies), per_pass):
+            block = copies[start:start + per_pass]
             qx = np.concatenate([query] * len(block))
             mask = np.zeros(qx.shape, dtype=bool)
-            for i, cols in enumerate(block):
-                hide = observed[:, cols].any(1)  # nothing to score where all its scored parts are missing
-                mask[i * n_q:(i + 1) * n_q][np.ix_(hide, cols)] = True
+            for i, part in enumerate(block):
+                for j in part:
+                    cols = units[j]
+                    hide = observed[:, cols].any(1)  # nothing to score where all its scored parts are missing
+                    mask[i * n_q:(i + 1) * n_q][np.ix_(hide, cols)] = True
             if not mask.any():
                 continue
             nll = context.predict(qx, mask, _z_nll, self.chunk_size)

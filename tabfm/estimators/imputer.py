@@ -10,10 +10,24 @@ more categories than the model's head, and constant columns. All-missing columns
 to learn from and stay missing (UserWarning). Observed cells come back exactly as given;
 output is the input's format: a DataFrame with its index, columns and dtypes, or an array of
 the input's dtype.
+
+Rounds (`n_rounds`, like MICE / MissForest): round 1 predicts every missing cell of a row at once,
+with the row's other missing cells hidden too. Each later round re-predicts them with the other
+missing cells visible, filled with the previous round's estimates (ensemble-averaged, in the
+encoded space: numeric predictive mean, categorical most probable code). A member cannot show a
+cell and predict it in one pass, so within each of its column groups it splits a row's missing
+source columns into at most `round_parts` parts, dealt in turn from a seeded order of the group's
+columns (drawn per member, group and round from the member's seed: fixed at fit, so a row's answer
+depends only on the row and the fitted rows), and runs one pass per part, that part hidden. A row
+with one missing column in a group (or round_parts=1) has nothing to show: its answer there is
+round 1's, reused without a pass. Cost: each extra round adds up to `round_parts` passes of the
+rows with missing cells per member and column group (and one context encoding per member and
+group). The fitted rows (the context) are never filled; observed cells never change.
 """
 from __future__ import annotations
 
 import warnings
+from os import PathLike
 from typing import Any
 
 import numpy as np
@@ -21,16 +35,22 @@ import pandas as pd
 import torch
 from sklearn.base import TransformerMixin
 from sklearn.utils.validation import check_is_fitted
+from torch import nn
 
 from tabfm.data.batch import CATEGORICAL
 from tabfm.data.schema import BOOLEAN_T, CATEGORICAL_T, DATETIME_T, NUMERIC_T, ColumnSpec
 from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities, numeric_mean
+from tabfm.weights import DEFAULT_MODEL
 
-from .base import Runtime, TabFMEstimator
-from .ensemble import subsample
+from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS, Runtime,
+                   TabFMEstimator)
+from .ensemble import Member, subsample
 
 MODEL_TYPES = (NUMERIC_T, BOOLEAN_T, CATEGORICAL_T, DATETIME_T)
+DEFAULT_N_ROUNDS = 1
+DEFAULT_ROUND_PARTS = 4
+ROUND_KEY = 11  # keys a member's per-round order of its columns apart from its other choices (anomaly uses 7-9)
 
 
 def _fill(s: pd.Series, missing: np.ndarray, values: Any) -> pd.Series:
@@ -48,8 +68,46 @@ def _fill(s: pd.Series, missing: np.ndarray, values: Any) -> pd.Series:
 class TabFMImputer(TransformerMixin, TabFMEstimator):
     """sklearn transformer: fit(X) stores the table; transform(X) returns X with every NaN filled.
 
-    See the module docstring for what each column type gets. Parameters: see TabFMEstimator.
+    See the module docstring for what each column type gets.
+
+    n_rounds     imputation rounds (int >= 1). 1 (the default): every missing cell of a row is
+                 predicted in one pass, the row's other missing cells hidden with it. Each further
+                 round re-predicts them with the other missing cells filled with the previous
+                 round's estimates (see the module docstring); it costs up to `round_parts` more
+                 passes per member and column group.
+    round_parts  at most this many parts (int >= 1, default 4) a row's missing source columns are
+                 split into per member and column group in rounds after the first; a part is hidden
+                 while the row's other missing cells show the previous estimates. A row's parts are
+                 min(round_parts, its missing columns in the group); round_parts=1 hides them all
+                 together, which is round 1 again (no extra pass). Used only when n_rounds > 1.
+    Other parameters: see TabFMEstimator.
     """
+
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
+                 random_state: int | np.random.RandomState | None = 0, device: str = "auto",
+                 precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
+                 max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 progress: bool | None = None, backend: str = "torch", n_rounds: int = DEFAULT_N_ROUNDS,
+                 round_parts: int = DEFAULT_ROUND_PARTS) -> None:
+        super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
+                         precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
+                         chunk_size=chunk_size, progress=progress, backend=backend)
+        self.n_rounds = n_rounds
+        self.round_parts = round_parts
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # an imputer pickled before the parameters existed: today's behaviour, and get_params / clone work
+        state = dict(state)
+        state.setdefault("n_rounds", DEFAULT_N_ROUNDS)
+        state.setdefault("round_parts", DEFAULT_ROUND_PARTS)
+        super().__setstate__(state)
+
+    def _check_params(self) -> None:
+        super()._check_params()
+        for name, default in (("n_rounds", DEFAULT_N_ROUNDS), ("round_parts", DEFAULT_ROUND_PARTS)):
+            value = getattr(self, name, default)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
     def fit(self, X: Any, y: Any = None) -> "TabFMImputer":
         frame = self._fit_table(X)
@@ -117,7 +175,8 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
         return spec.type in MODEL_TYPES and (first.kind != CATEGORICAL or first.cardinality <= rt.max_categories)
 
     def _impute_encoded(self, rt: Runtime, x: np.ndarray, imputable: list[bool]) -> np.ndarray:
-        """x with its missing cells in imputable columns replaced by the ensemble's point predictions."""
+        """x with its missing cells in imputable columns replaced by the ensemble's point predictions
+        (after `n_rounds` rounds, see the module docstring)."""
         k = rt.max_categories
         kind, card = self._kind, self._card
         model_col = np.zeros(x.shape[1], dtype=bool)
@@ -137,29 +196,103 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
             probs, mean = class_probabilities(output), numeric_mean(output)[:, None]
             return torch.cat([torch.where(is_cat, probs, 0.0), torch.where(is_cat, 0.0, mean)], 1)
 
+        def add(m: Member, group: np.ndarray, sub: np.ndarray, out: np.ndarray, means: np.ndarray,
+                probs: np.ndarray, keep: np.ndarray | None = None) -> None:
+            """A member's answers `out` for the `sub` cells of `group` into the sums (only rows `keep`)."""
+            r, c = np.nonzero(sub)
+            if keep is not None:
+                sel = keep[r]
+                r, c, out = r[sel], c[sel], out[sel]
+            ids = cell_id[r, group[c]]
+            means[ids] += out[:, k]
+            for j in np.unique(c):
+                col = int(group[j])
+                if kind[col] == CATEGORICAL:
+                    sel = c == j
+                    probs[ids[sel], : card[col]] += m.unpermute_codes(col, out[sel, : card[col]])
+
+        n_rounds = int(getattr(self, "n_rounds", DEFAULT_N_ROUNDS))
         members = self._members(cover_all=True)
-        passes = [(m, group) for m in members for group in m.column_groups if query[:, group].any()]
-        with self._bar(len(passes), "transform") as bar:
-            for m, group in passes:
+        passes = [(i, m, g, group) for i, m in enumerate(members) for g, group in enumerate(m.column_groups)
+                  if query[:, group].any()]
+        # later rounds: a row's parts in a group = min(round_parts, its missing source columns there); a row
+        # with one part has nothing to show, so its round-1 answer stands (`fixed`, no pass)
+        layout = {} if n_rounds == 1 else {(i, g): self._round_layout(group, query) for i, _, g, group in passes}
+        n_parts = {key: int(p[p > 1].max(initial=0)) for key, (_, p) in layout.items()}
+        fixed_means, fixed_probs = (np.zeros_like(means), np.zeros_like(probs)) if n_rounds > 1 else (None, None)
+        with self._bar(len(passes) + (n_rounds - 1) * sum(n_parts.values()), "transform") as bar:
+            for i, m, g, group in passes:
                 ctx_rows = subsample(m.rng(0), np.arange(len(self.train_x_)), self.max_context_rows)
                 sub = query[:, group]
                 out = self._predict(rt.for_member(m), m.view(self.train_x_[ctx_rows], group), m.view(x, group), sub,
                                     kind[group], card[group], fn)
                 out = self._finite(out, "imputed cells")
-                r, c = np.nonzero(sub)
-                ids = cell_id[r, group[c]]
-                means[ids] += out[:, k]
-                for j in np.unique(c):
-                    col = int(group[j])
-                    if kind[col] == CATEGORICAL:
-                        sel = c == j
-                        probs[ids[sel], : card[col]] += m.unpermute_codes(col, out[sel, : card[col]])
+                add(m, group, sub, out, means, probs)
+                if n_rounds > 1:
+                    add(m, group, sub, out, fixed_means, fixed_probs, keep=layout[(i, g)][1] <= 1)
                 bar.update()
+            estimate = self._estimates(x, rows, cols, kind, means, probs, len(members))
+            for round_ in range(2, n_rounds + 1):
+                means, probs = fixed_means.copy(), fixed_probs.copy()
+                for i, m, g, group in passes:
+                    if not n_parts[(i, g)]:
+                        continue
+                    unit_pos, row_parts = layout[(i, g)]
+                    part = self._round_parts_of(unit_pos, row_parts, query[:, group], m.rng(ROUND_KEY, g, round_))
+                    ctx_rows = subsample(m.rng(0), np.arange(len(self.train_x_)), self.max_context_rows)
+                    context = self._context(rt.for_member(m), m.view(self.train_x_[ctx_rows], group), kind[group],
+                                            card[group])
+                    shown = m.view(estimate, group)  # the previous round's estimates, as this member shows them
+                    for p in range(n_parts[(i, g)]):
+                        hide = part == p
+                        if hide.any():
+                            q = shown.copy()
+                            q[hide] = np.nan
+                            out = self._finite(context.predict(q, hide, fn, self.chunk_size), "imputed cells")
+                            add(m, group, hide, out, means, probs)
+                        bar.update()
+                estimate = self._estimates(x, rows, cols, kind, means, probs, len(members))
+        return estimate
+
+    @staticmethod
+    def _estimates(x: np.ndarray, rows: np.ndarray, cols: np.ndarray, kind: np.ndarray, means: np.ndarray,
+                   probs: np.ndarray, n_members: int) -> np.ndarray:
+        """x with the query cells (rows, cols) set to the members' summed answers: the most probable
+        code of a categorical cell, the members' mean of a numeric one."""
         out_x = x.copy()
         is_cat = kind[cols] == CATEGORICAL
         out_x[rows[is_cat], cols[is_cat]] = probs[is_cat].argmax(1)
-        out_x[rows[~is_cat], cols[~is_cat]] = means[~is_cat] / len(members)
+        out_x[rows[~is_cat], cols[~is_cat]] = means[~is_cat] / n_members
         return out_x
+
+    def _round_layout(self, group: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For one column group (`query`: the missing cells the model predicts, all columns): the
+        source column (0.. within the group) of each of its encoded columns, and each row's number
+        of parts in the later rounds, min(round_parts, its missing source columns in the group)."""
+        unit_of = np.zeros(query.shape[1], dtype=np.int64)
+        for i, unit in enumerate(self._units()):
+            unit_of[unit] = i
+        _, unit_pos = np.unique(unit_of[group], return_inverse=True)
+        missing = np.zeros((len(query), int(unit_pos.max(initial=-1)) + 1), dtype=bool)
+        for j, col in enumerate(group):
+            missing[:, unit_pos[j]] |= query[:, col]
+        return unit_pos, np.minimum(missing.sum(1), int(getattr(self, "round_parts", DEFAULT_ROUND_PARTS)))
+
+    @staticmethod
+    def _round_parts_of(unit_pos: np.ndarray, row_parts: np.ndarray, sub: np.ndarray,
+                        rng: np.random.Generator) -> np.ndarray:
+        """Part (0 .. row_parts-1) of each missing cell `sub` (n_rows, group width) of one column group in
+        one round, -1 elsewhere and in rows with a single part: each row's missing source columns, taken
+        in a random order of the group's source columns drawn from `rng`, are dealt to its parts in turn."""
+        n_units = int(unit_pos.max(initial=-1)) + 1
+        missing = np.zeros((len(sub), n_units), dtype=bool)
+        for j in range(sub.shape[1]):
+            missing[:, unit_pos[j]] |= sub[:, j]
+        order = rng.permutation(n_units)
+        rank = np.empty_like(missing, dtype=np.int64)
+        rank[:, order] = np.cumsum(missing[:, order], axis=1) - 1  # place among the row's missing columns
+        unit_part = np.where(missing & (row_parts[:, None] > 1), rank % np.maximum(row_parts, 1)[:, None], -1)
+        return np.where(sub, unit_part[:, unit_pos], -1)
 
     def _positions(self, X: Any) -> np.ndarray:
         """Position in X of each fitted column (frames may list them in another order)."""
