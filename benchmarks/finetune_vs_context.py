@@ -1,15 +1,19 @@
-"""Fine-tuning vs in-context prediction on the public classification suite (issue #24).
+"""Fine-tuning vs in-context prediction, per table of the public classification suite or the regression suite (issue #24).
 
     nice -n 10 python benchmarks/finetune_vs_context.py --quick                 # one tiny table, seconds of training
     nice -n 10 python benchmarks/finetune_vs_context.py --minutes 1.5 --lora-ranks 8
     nice -n 10 python benchmarks/finetune_vs_context.py --tables german,australian --lora-ranks 4,8,16
+    nice -n 10 python benchmarks/finetune_vs_context.py --task regression --lora-ranks 8   # runs/regression-suite
 
 For each table: the first fold of the public protocol's split (`tabfm.eval.protocols.classification_splits`,
 stratified 5-fold, seed 0, as `tabfm eval` runs it) gives train and test rows. On the TEST rows,
 every variant is scored by `TabFMClassifier(model=..., **estimator_params)` fitted on the train rows,
 with the same estimator parameters (`HoldoutEval.params_for`, the ones fine-tuning scores its
 held-out rows with and records in OUT/export/config.json; checked equal after every run), and the
-protocol's metrics (`tabfm.eval.metrics.classification_metrics`: ROC-AUC, accuracy, log-loss):
+protocol's metrics (`tabfm.eval.metrics.classification_metrics`: ROC-AUC, accuracy, log-loss).
+With --task regression the same with the regression protocol's first fold (`regression_splits`,
+shuffled 5-fold, seed 0), `TabFMRegressor` and `regression_metrics` (R^2, RMSE), on the suite that
+`benchmarks/regression_suite.py` builds (default runs/regression-suite):
 
     in-context   the init's weights, no weight update
     full         `finetune()` on the train rows only (its own stratified holdout of them picks the best
@@ -25,11 +29,12 @@ run can stop early; its evaluations count in its budget). Per run it records wal
 reason, the best step, trainable parameters (counted on the model, adapters only for LoRA),
 AdamW optimizer state bytes (computed: 2 fp32 tensors, exp_avg and exp_avg_sq, per trainable
 parameter; the step counters not counted), and forgetting: the export's in-context ROC-AUC on
---forgetting-tables (other tables of the suite, their first-fold split too) against the init's.
+--forgetting-tables (other tables of the suite, their first-fold split too) against the init's
+(ROC-AUC, or R^2 for regression).
 
 Prints one markdown table per metric (rows = tables, columns = variants), a cost table and a summary
-line, and writes JSON (default benchmarks/results/finetune_vs_context.json; --quick:
-finetune_vs_context_quick.json). Fine-tuning runs live under --work (default runs/finetune_vs_context,
+line, and writes JSON (default benchmarks/results/finetune_vs_context.json, with --task regression
+finetune_vs_context_regression.json; --quick: the same stems ending _quick.json). Fine-tuning runs live under --work (default runs/finetune_vs_context,
 git-ignored), restarted on every invocation. Single-threaded by design: the machine is shared.
 """
 from __future__ import annotations
@@ -54,42 +59,60 @@ import torch  # noqa: E402
 
 from common import machine_info  # noqa: E402
 from tabfm.eval.metrics import classification_metrics  # noqa: E402
-from tabfm.eval.protocols import _proba_in_code_order, classification_splits  # noqa: E402
+from tabfm.eval.metrics import regression_metrics  # noqa: E402
+from tabfm.eval.protocols import _proba_in_code_order, classification_splits, regression_splits  # noqa: E402
 from tabfm.eval.suites import default_public_dir, load_suite  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_TABLES = "australian,german,anes96,titanic_survival"
-DEFAULT_FORGETTING = "pbc,breast_cancer"
-QUICK_TABLE = "wine"
-METRICS = ("roc_auc", "log_loss", "accuracy")
-HIGHER = {"roc_auc": True, "log_loss": False, "accuracy": True}
+DEFAULT_TABLES = {"classification": "australian,german,anes96,titanic_survival",
+                  "regression": "boston,concrete,carseats,cps1985"}
+DEFAULT_FORGETTING = {"classification": "pbc,breast_cancer", "regression": "diabetes,auto"}
+QUICK_TABLE = {"classification": "wine", "regression": "carseats"}
+METRICS = {"classification": ("roc_auc", "log_loss", "accuracy"), "regression": ("r2", "rmse")}
+PRIMARY = {"classification": "roc_auc", "regression": "r2"}  # forgetting and wins/losses are counted on it
+HIGHER = {"roc_auc": True, "log_loss": False, "accuracy": True, "r2": True, "rmse": False}
 ADAMW_STATE_TENSORS = 2  # exp_avg, exp_avg_sq per parameter
 FP32_BYTES = 4
 
 
 # --------------------------------------------------------------------------- data: the suite's own loader and split
 
-def first_fold(ds):
-    """(X_train, y_train, X_test, y_test, K): the first fold of the public classification protocol."""
+def first_fold(ds, task: str):
+    """(X_train, y_train, X_test, y_test, K, train_idx, test_idx): the first fold of the public
+    protocol of `task` (K, the class count, is None for regression)."""
     X = ds.X
-    y = ds.frame[ds.target].cat.codes.to_numpy().astype(np.int64)
-    K = len(ds.frame[ds.target].cat.categories)
-    tr, te = classification_splits(y)[0]
+    if task == "classification":
+        y = ds.frame[ds.target].cat.codes.to_numpy().astype(np.int64)
+        K = len(ds.frame[ds.target].cat.categories)
+        tr, te = classification_splits(y)[0]
+    else:
+        y = ds.frame[ds.target].to_numpy(dtype=np.float64)
+        K = None
+        tr, te = regression_splits(len(y))[0]
     return (X.iloc[tr].reset_index(drop=True), y[tr], X.iloc[te].reset_index(drop=True), y[te], K, tr, te)
 
 
-def score(model, params: dict, split) -> dict:
-    """The protocol's metrics of TabFMClassifier(model, **params) fitted on the train rows, on the test rows."""
-    from tabfm.estimators import TabFMClassifier
+def score(model, params: dict, split, task: str) -> dict:
+    """The protocol's metrics of TabFMClassifier / TabFMRegressor(model, **params) fitted on the
+    train rows, on the test rows."""
+    from tabfm.estimators import TabFMClassifier, TabFMRegressor
 
     Xtr, ytr, Xte, yte, K = split[:5]
     t0 = time.perf_counter()
-    est = TabFMClassifier(model=model, progress=False, **params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        est.fit(Xtr, ytr)
-        P = _proba_in_code_order(est, est.predict_proba(Xte), K)
-    return {**classification_metrics(yte, P, K), "seconds": time.perf_counter() - t0}
+        if task == "classification":
+            est = TabFMClassifier(model=model, progress=False, **params).fit(Xtr, ytr)
+            metrics = classification_metrics(yte, _proba_in_code_order(est, est.predict_proba(Xte), K), K)
+        else:
+            reg_params = {k: v for k, v in params.items() if k != "multiclass"}  # as HoldoutEval builds it
+            est = TabFMRegressor(model=model, progress=False, **reg_params).fit(Xtr, ytr)
+            metrics = regression_metrics(yte, est.predict(Xte))
+    return {**metrics, "seconds": time.perf_counter() - t0}
+
+
+def _line(s: dict, task: str) -> str:
+    return " ".join(f"{m} {s[m]:.4f}" for m in METRICS[task])
 
 
 # --------------------------------------------------------------------------- cost of a variant
@@ -117,14 +140,18 @@ def run(args) -> dict:
     from tabfm.weights import load_model
 
     torch.set_num_threads(1)
-    suite_dir = Path(args.suite_dir) if args.suite_dir else default_public_dir()
+    task, primary = args.task, PRIMARY[args.task]
+    if args.suite_dir:
+        suite_dir = Path(args.suite_dir)
+    else:
+        suite_dir = default_public_dir() if task == "classification" else ROOT / "runs" / "regression-suite"
     tables = [t for t in args.tables.split(",") if t]
     forgetting = [t for t in args.forgetting_tables.split(",") if t]
     ranks = [int(r) for r in args.lora_ranks.split(",") if r] if args.lora_ranks else []
-    datasets = {d.name: d for d in load_suite(suite_dir, "classification", sorted(set(tables) | set(forgetting)))}
-    splits = {name: first_fold(ds) for name, ds in datasets.items()}
+    datasets = {d.name: d for d in load_suite(suite_dir, task, sorted(set(tables) | set(forgetting)))}
+    splits = {name: first_fold(ds, task) for name, ds in datasets.items()}
 
-    base_cfg = FinetuneConfig(init=args.init, task="classification", steps=args.steps, max_minutes=args.minutes,
+    base_cfg = FinetuneConfig(init=args.init, task=task, steps=args.steps, max_minutes=args.minutes,
                               threads=1, seed=args.seed, lr=args.lr, eval_every=args.eval_every,
                               warmup_steps=args.warmup_steps, patience=args.patience)
     init_features = load_model(args.init).config.context_features
@@ -137,25 +164,23 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     init_forget = {}
     for f in forgetting:
-        init_forget[f] = score(args.init, params, splits[f])
-        print(f"  init in context on {f}: ROC-AUC {init_forget[f]['roc_auc']:.4f} ({init_forget[f]['seconds']:.0f} s)",
-              flush=True)
+        init_forget[f] = score(args.init, params, splits[f], task)
+        print(f"  init in context on {f}: {_line(init_forget[f], task)} ({init_forget[f]['seconds']:.0f} s)", flush=True)
 
     results: dict = {}
     for name in tables:
         ds, split = datasets[name], splits[name]
         Xtr, ytr, Xte, yte, K, tr, te = split
-        info = {"rows": int(len(ds.frame)), "features": int(len(ds.features)), "classes": int(K),
+        info = {"rows": int(len(ds.frame)), "features": int(len(ds.features)), "classes": K,
                 "train_rows": int(len(tr)), "test_rows": int(len(te))}
         row = {"info": info, "variants": {}}
         results[name] = row
         print(f"\n{name}: {info}", flush=True)
-        s = score(args.init, params, split)
+        s = score(args.init, params, split, task)
         row["variants"]["in-context"] = {"test": s, "cost": {"wall_s": s["seconds"], "steps": 0,
                                                               **trainable_parameters(args.init, None, None),
                                                               "trainable_params": 0, "optimizer_state_bytes": 0}}
-        print(f"  in-context: ROC-AUC {s['roc_auc']:.4f} log-loss {s['log_loss']:.4f} acc {s['accuracy']:.4f} "
-              f"({s['seconds']:.0f} s)", flush=True)
+        print(f"  in-context: {_line(s, task)} ({s['seconds']:.0f} s)", flush=True)
         train_frame = ds.frame.iloc[tr].reset_index(drop=True)  # features + target, train rows only
         for variant in variants[1:]:
             rank = None if variant == "full" else int(variant.split("-")[1])
@@ -172,14 +197,14 @@ def run(args) -> dict:
             if recorded["estimator_params"] != params:
                 print(f"  WARNING {variant}: export records estimator parameters {recorded['estimator_params']}, "
                       f"scored here with {params}", flush=True)
-            s = score(str(export), recorded["estimator_params"], split)
+            s = score(str(export), recorded["estimator_params"], split, task)
             forget = {}
             for f in forgetting:
                 if f == name:
                     continue
-                fs = score(str(export), recorded["estimator_params"], splits[f])
-                forget[f] = {"roc_auc": fs["roc_auc"], "init_roc_auc": init_forget[f]["roc_auc"],
-                             "delta": fs["roc_auc"] - init_forget[f]["roc_auc"], "seconds": fs["seconds"]}
+                fs = score(str(export), recorded["estimator_params"], splits[f], task)
+                forget[f] = {"metric": primary, "value": fs[primary], "init_value": init_forget[f][primary],
+                             "delta": fs[primary] - init_forget[f][primary], "seconds": fs["seconds"]}
             cost = {"lr": lr, "wall_s": ft_wall, "finetune_wall_s": res.wall_s, "steps": res.step, "stopped": res.stopped,
                     "best_step": res.best_step, **trainable_parameters(args.init, rank, None),
                     "holdout_before": res.initial.get("score"), "holdout_best": res.best.get("score"),
@@ -187,14 +212,15 @@ def run(args) -> dict:
             row["variants"][variant] = {"test": s, "cost": cost, "forgetting": forget,
                                         "estimator_params": recorded["estimator_params"]}
             fdelta = " ".join(f"{f} {v['delta']:+.4f}" for f, v in forget.items())
-            print(f"  {variant}: ROC-AUC {s['roc_auc']:.4f} log-loss {s['log_loss']:.4f} acc {s['accuracy']:.4f}; "
-                  f"{res.step} steps ({res.stopped}), best step {res.best_step}, {ft_wall / 60:.1f} min; "
-                  f"forgetting ΔAUC {fdelta}", flush=True)
+            print(f"  {variant}: {_line(s, task)}; {res.step} steps ({res.stopped}), best step {res.best_step}, "
+                  f"{ft_wall / 60:.1f} min; forgetting Δ{primary} {fdelta}", flush=True)
 
     record = {
         "benchmark": "finetune_vs_context", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-        "suite_dir": str(suite_dir), "split": "classification_splits(y)[0]: StratifiedKFold(5, shuffle, seed 0), fold 0",
+        "task": task, "primary_metric": primary, "suite_dir": str(suite_dir),
+        "split": ("classification_splits(y)[0]: StratifiedKFold(5, shuffle, seed 0), fold 0" if task == "classification"
+                  else "regression_splits(n)[0]: KFold(5, shuffle, seed 0), fold 0"),
         "init": args.init, "init_context_features": init_features, "estimator_params": params,
         "minutes_per_run": args.minutes, "steps_cap": args.steps, "lr": args.lr, "lora_lr": args.lora_lr or args.lr,
         "seed": args.seed,
@@ -215,8 +241,10 @@ def _fmt(v, digits: int = 4) -> str:
 
 def report(record: dict) -> str:
     variants, results = record["variants"], record["results"]
+    task = record.get("task", "classification")
+    primary = PRIMARY[task]
     lines = []
-    for metric in METRICS:
+    for metric in METRICS[task]:
         arrow = "higher is better" if HIGHER[metric] else "lower is better"
         lines += [f"\n{metric} on the test rows ({arrow})\n", "| table | " + " | ".join(variants) + " |",
                   "|---|" + "---:|" * len(variants)]
@@ -229,7 +257,7 @@ def report(record: dict) -> str:
         lines.append("| mean | " + " | ".join(_fmt(m) for m in means) + " |")
 
     forget = record["forgetting_tables"]
-    lines += ["\ncost per run and forgetting (ΔROC-AUC of the export in context on the other tables vs the init's)\n",
+    lines += [f"\ncost per run and forgetting (Δ{primary} of the export in context on the other tables vs the init's)\n",
               "| table | variant | wall min | steps | stopped | best step | trainable params | AdamW state | "
               + " | ".join(f"Δ {f}" for f in forget) + " |",
               "|---|---|---:|---:|---|---:|---:|---:|" + "---:|" * len(forget)]
@@ -239,20 +267,20 @@ def report(record: dict) -> str:
             lines.append(f"| {name} | {v} | {c['wall_s'] / 60:.1f} | {c['steps']} | {c['stopped']} | {c['best_step']} | "
                          f"{c['trainable_params']:,} | {c['optimizer_state_bytes'] / 2**20:.2f} MiB | "
                          + " | ".join(_fmt(fg[f]["delta"], 4) if f in fg else "–" for f in forget) + " |")
-    init_f = ", ".join(f"{f} {record['init_forgetting'][f]['roc_auc']:.4f}" for f in forget)
+    init_f = ", ".join(f"{f} {record['init_forgetting'][f][primary]:.4f}" for f in forget)
     lines.append(f"\ninit in context on the forgetting tables: {init_f}")
 
-    means = {v: float(np.mean([row["variants"][v]["test"]["roc_auc"] for row in results.values()])) for v in variants}
-    summary = "summary: mean ROC-AUC " + ", ".join(f"{v} {means[v]:.4f}" for v in variants)
+    means = {v: float(np.mean([row["variants"][v]["test"][primary] for row in results.values()])) for v in variants}
+    summary = f"summary: mean {primary} " + ", ".join(f"{v} {means[v]:.4f}" for v in variants)
     wins = []
     for v in variants[1:]:
         w = t = lo = 0
         for row in results.values():
-            a, b = row["variants"][v]["test"]["roc_auc"], row["variants"]["in-context"]["test"]["roc_auc"]
+            a, b = row["variants"][v]["test"][primary], row["variants"]["in-context"]["test"][primary]
             w, t, lo = w + (a > b), t + (a == b), lo + (a < b)
         kept = sum(row["variants"][v]["cost"]["best_step"] == 0 for row in results.values())
         wins.append(f"{v} {w}/{t}/{lo} (best step 0, the init exported: {kept}/{len(results)})")
-    summary += "; ROC-AUC wins/ties/losses of fine-tuned over in-context: " + ", ".join(wins)
+    summary += f"; {primary} wins/ties/losses of fine-tuned over in-context: " + ", ".join(wins)
     summary += f"; total wall {record['total_wall_s'] / 60:.1f} min"
     lines.append(summary)
     return "\n".join(lines)
@@ -260,8 +288,10 @@ def report(record: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", default=None, help=f"comma list of classification tables (default {DEFAULT_TABLES})")
-    ap.add_argument("--forgetting-tables", default=DEFAULT_FORGETTING,
+    ap.add_argument("--task", choices=tuple(PRIMARY), default="classification",
+                    help="classification (public suite) or regression (runs/regression-suite)")
+    ap.add_argument("--tables", default=None, help=f"comma list of tables of the task's suite (default {DEFAULT_TABLES})")
+    ap.add_argument("--forgetting-tables", default=None,
                     help=f"other tables the exports are scored on in context (default {DEFAULT_FORGETTING})")
     ap.add_argument("--minutes", type=float, default=None, help="wall budget per fine-tuning run (default 1.5; --quick 0.3)")
     ap.add_argument("--steps", type=int, default=100_000, help="step cap (large: the budget binds)")
@@ -274,22 +304,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--init", default="tabfm-tiny-cf", help="starting weights (shipped name or export directory)")
     ap.add_argument("--seed", type=int, default=0, help="fine-tuning seed (its holdout split, episodes) and the "
                                                          "estimators' random_state")
-    ap.add_argument("--suite-dir", default=None, help="public suites directory (default ~/.cache/tabfm/public_suites)")
+    ap.add_argument("--suite-dir", default=None, help="suite directory (default ~/.cache/tabfm/public_suites for "
+                                                       "classification, runs/regression-suite for regression)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "finetune_vs_context"), help="fine-tuning run directories")
     ap.add_argument("--json", default=None, help="output JSON (default benchmarks/results/finetune_vs_context.json)")
     ap.add_argument("--quick", action="store_true", help=f"smoke check: {QUICK_TABLE} only, 0.3 min per run")
     args = ap.parse_args(argv)
     if args.quick:
-        args.tables = args.tables or QUICK_TABLE
+        args.tables = args.tables or QUICK_TABLE[args.task]
         args.minutes = args.minutes or 0.3
-    args.tables = args.tables or DEFAULT_TABLES
+    args.tables = args.tables or DEFAULT_TABLES[args.task]
+    args.forgetting_tables = args.forgetting_tables if args.forgetting_tables is not None else DEFAULT_FORGETTING[args.task]
     args.minutes = args.minutes or 1.5
     overlap = set(args.tables.split(",")) & set(args.forgetting_tables.split(","))
     if overlap:
         print(f"note: {sorted(overlap)} are both fine-tuned and forgetting tables; a table's own forgetting "
               "score is skipped", flush=True)
-    path = Path(args.json) if args.json else RESULTS / ("finetune_vs_context_quick.json" if args.quick
-                                                        else "finetune_vs_context.json")
+    stem = "finetune_vs_context" + ("_regression" if args.task == "regression" else "")
+    path = Path(args.json) if args.json else RESULTS / (stem + ("_quick.json" if args.quick else ".json"))
     record = run(args)
     text = report(record)
     record["report"] = text

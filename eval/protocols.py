@@ -58,6 +58,11 @@ def classification_splits(y_codes: np.ndarray, n_splits: int = N_FOLDS, seed: in
     return list(StratifiedKFold(n_splits=n_splits, shuffle=True, random_state=seed).split(np.zeros(n), y_codes))
 
 
+def regression_splits(n_rows: int, n_splits: int = N_FOLDS, seed: int = CV_SEED):
+    """The (train, test) index pairs of the regression protocol: shuffled K-fold."""
+    return list(KFold(n_splits=n_splits, shuffle=True, random_state=seed).split(np.zeros(n_rows)))
+
+
 def _proba_in_code_order(est, P, n_classes: int) -> np.ndarray:
     P = np.asarray(P, dtype=np.float64)
     if P.ndim != 2:
@@ -91,7 +96,7 @@ def run_regression(ds: Dataset, factory: Factory, progress: Progress = None) -> 
     X = ds.X
     y = ds.frame[ds.target].to_numpy(dtype=np.float64)
     units, t0 = [], time.perf_counter()
-    for fold, (tr, te) in enumerate(KFold(n_splits=N_FOLDS, shuffle=True, random_state=CV_SEED).split(np.zeros(len(y)))):
+    for fold, (tr, te) in enumerate(regression_splits(len(y))):
         est = factory()
         est.fit(X.iloc[tr].reset_index(drop=True), y[tr])
         pred = est.predict(X.iloc[te].reset_index(drop=True))
