@@ -1,5 +1,6 @@
 """Test-session settings: tests use small tensors, where one intra-op thread is fastest and
-immune to oversubscription on the 2-core CI machine."""
+immune to oversubscription on the 2-core CI machine; fixtures the estimator tests share."""
+import pytest
 import torch
 
 torch.set_num_threads(1)
@@ -15,3 +16,26 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first_seen.setdefault(item.fspath.strpath, i)
     items.sort(key=lambda item: (-slow[item.fspath.strpath], first_seen[item.fspath.strpath]))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module, whatever an earlier module set (use with usefixtures)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> str:
+    """A random-weight tiny model in the export format the estimators load (head of K=10 codes)."""
+    from tabfm.model import ModelConfig, TabFM
+    from tabfm.parallel import export_model
+    from tabfm.train.pretrain import EXPORT_FORMAT
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2, n_bins=16, id_dim=8)
+    out = tmp_path_factory.mktemp("weights") / "export"
+    export_model(TabFM(cfg), out, {"format": EXPORT_FORMAT, "version": 1, "model": cfg.to_dict()})
+    return str(out)

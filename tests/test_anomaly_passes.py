@@ -19,27 +19,9 @@ from tabfm.estimators import TabFMAnomalyDetector
 from tabfm.estimators.anomaly import _z_nll
 from tabfm.estimators.ensemble import subsample
 from tabfm.inference import ContextPredictor
-from tabfm.model import ModelConfig, TabFM
-from tabfm.parallel import export_model
-from tabfm.train.pretrain import EXPORT_FORMAT
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory) -> str:
-    """A random-weight tiny model in the export format the estimators load."""
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2, n_bins=16, id_dim=8)
-    out = tmp_path_factory.mktemp("weights") / "export"
-    export_model(TabFM(cfg), out, {"format": EXPORT_FORMAT, "version": 1, "model": cfg.to_dict()})
-    return str(out)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 class OldDetector(TabFMAnomalyDetector):

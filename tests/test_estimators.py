@@ -16,14 +16,12 @@ from sklearn.exceptions import NotFittedError
 from torch import nn
 
 from tabfm.data.batch import TableBatch
-from tabfm.parallel import export_model
 from tabfm import cli
 from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
 from tabfm.estimators.ensemble import subsample
 from tabfm.inference import forward_eval, query_batch, target_batch
-from tabfm.model import BarDistribution, ModelConfig, ModelOutput, TabFM
+from tabfm.model import BarDistribution, ModelConfig, ModelOutput
 from tabfm.model.predict import class_probabilities, numeric_mean
-from tabfm.train.pretrain import EXPORT_FORMAT
 from tabfm.weights import ModelNotFoundError, load_model, resolve_model_path
 
 ESTIMATORS = (TabFMClassifier, TabFMRegressor, TabFMImputer, TabFMAnomalyDetector)
@@ -31,23 +29,7 @@ NAN = float("nan")
 
 
 # ------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run far faster single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory) -> str:
-    """A random-weight tiny model in the export format the estimators load (head of K=10 codes)."""
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2, n_bins=16, id_dim=8)
-    out = tmp_path_factory.mktemp("weights") / "export"
-    export_model(TabFM(cfg), out, {"format": EXPORT_FORMAT, "version": 1, "model": cfg.to_dict()})
-    return str(out)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 class StubModel(nn.Module):

@@ -16,12 +16,7 @@ from tabfm.estimators import TabFMImputer
 NAN = float("nan")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def mixed(n: int = 60, seed: int = 0) -> pd.DataFrame:

@@ -10,7 +10,6 @@ from tabfm.data.batch import CATEGORICAL, NUMERIC
 from tabfm.estimators import TabFMClassifier, TabFMRegressor
 from tabfm.estimators.linear import FOLDS, LOGISTIC_C, RIDGE_ALPHA, LinearScores
 from tabfm.data.neighbors import design
-from tests.test_estimators import export_dir  # noqa: F401  (the random-weight export fixture)
 
 NAN = float("nan")
 

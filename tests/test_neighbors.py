@@ -14,7 +14,6 @@ from tabfm.inference import forward_eval, target_batch
 from tabfm.model import ModelConfig, TabFM
 from tabfm.model.predict import class_probabilities
 from tabfm.weights import load_model
-from tests.test_estimators import export_dir  # noqa: F401  (the random-weight export fixture)
 
 NAN = float("nan")
 
