@@ -823,9 +823,9 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     before = tabfm_methods()["classification"]["tabfm"].version
     assert set(before) == {"tabfm", "params", "code"}
     defaults = TabFMClassifier.__init__.__defaults__
-    assert defaults[-7:] == ("ordinal", "raw", (5, 20), True, "ovr", 100, "torch")  # categorical, numeric,
-    # n_neighbors, linear_features, multiclass, max_classes, backend
-    monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-3] + ("native", 100, "torch"))
+    assert defaults[-9:] == ("ordinal", "raw", (5, 20), True, "ovr", None, None, 100, "torch")  # categorical,
+    # numeric, n_neighbors, linear_features, multiclass, n_codebooks, alphabet_size, max_classes, backend
+    monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-5] + ("native", None, None, 100, "torch"))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
 

@@ -42,7 +42,7 @@ DEFAULT_N_NEIGHBORS = (5, 20)
 PRECISIONS = ("auto", "fp32", "bf16")
 BACKENDS = ("torch", "onnx")
 CATEGORICAL_MODES = ("ordinal", "identity")
-MULTICLASS = ("ovr", "native")
+MULTICLASS = ("ovr", "native", "ecoc")
 PROGRESS_MIN_PASSES = 8  # progress=None draws a bar from this many model passes in one call
 
 

@@ -11,6 +11,33 @@ Multi-class strategies (`multiclass`):
   predicts the group, then the class within each group from the context rows of that group
   (recursively when G > K), and P(class) = P(group) * P(class | group). Each member's class
   permutation makes the grouping random, so the ensemble averages over groupings.
+- "ecoc": error-correcting output codes, as TabPFN handles many classes. Up to K classes it is
+  "native" (the same single pass, the same numbers). Above K each member runs C codebooks: a
+  codebook is a seeded random, balanced assignment of the n classes to m meta-classes (sizes
+  floor(n / m) or ceil(n / m); m = `alphabet_size`, default min(K, ECOC_ALPHABET) = 3), and one
+  m-way pass predicts the meta-class of the query rows from the context rows relabelled by it
+  (the model's inputs built as for "native"). A member's
+  score of a class is the sum over its codebooks of the log-probability of the class's
+  meta-class (`ecoc_scores`), and the ensemble pools the members in log space:
+  P(class) proportional to exp(mean over members of the score) (`softmax_rows`), i.e. to
+  exp(C * the mean over all codebooks of log P_c(meta-class of class)).
+  Codebooks come in rounds (`ecoc_codebooks`): a round is L = ceil(log_m n) codebooks built from
+  one random arrangement of the classes, jointly injective, so every pair of classes is separated
+  (sent to different meta-classes) in at least one codebook of every round; C = L * rounds
+  (`n_codebooks`, default None: ECOC_ROUNDS = 3 rounds, see `ecoc_n_codebooks`).
+  Measured choices (benchmarks/many_classes.py tables vowel, movement_libras, letter, synth50,
+  synth100 at split seed 7, 600 / 400 rows, not the benchmark's seeds; 4 members):
+  - m = 3 rather than K: the shipped models answer few-way questions far better than 10-way ones
+    (and a pass with fewer meta-classes carries fewer context-feature columns). tabfm-tiny-cf's
+    mean accuracy / log-loss: m = 3 0.692 / 1.18, m = 5 0.682 / 1.27, m = 10 0.637 / 1.65,
+    "native" 0.621 / 1.81.
+  - Pooling the codebooks' log-probabilities by their sum (a product of the codebooks' answers)
+    rather than their mean: the mean ranks the classes the same way but is far too flat (m = 10:
+    log-loss 2.58 against 1.65 with tabfm-tiny-cf, 2.92 against 2.16 with tabfm-tiny, same
+    accuracy); pooling the members in log space rather than averaging their probabilities: +0.009
+    accuracy with either model.
+  - More rounds kept helping (m = 10, 4 rounds instead of 3: accuracy 0.637 -> 0.656), at a third
+    more passes.
 """
 from __future__ import annotations
 
@@ -37,6 +64,78 @@ from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_M
 
 ODDS_CLIP = 1e-6  # P(c against the rest) is kept in [1e-6, 1 - 1e-6] before it becomes odds
 OVR_COST_WARNING = 20  # above this many classes "ovr" warns that it runs one pass per class
+ECOC_ROUNDS = 3  # multiclass="ecoc", n_codebooks=None: every pair of classes separated in >= 3 codebooks
+ECOC_ALPHABET = 3  # multiclass="ecoc", alphabet_size=None: meta-classes per codebook (at most the head's K)
+ECOC_LOG_CLIP = 1e-12  # a meta-class probability is kept >= this before its log
+
+
+def ecoc_rounds_length(n: int, k: int) -> int:
+    """L = ceil(log_k n): the fewest codebooks over k meta-classes whose codewords tell n classes apart."""
+    if k < 2:
+        raise ValueError(f"codebooks need k >= 2 meta-classes, got {k}")
+    length, reach = 1, k
+    while reach < n:
+        length, reach = length + 1, reach * k
+    return length
+
+
+def ecoc_n_codebooks(n: int, m: int, n_codebooks: int | None = None) -> int:
+    """Codebooks per ensemble member for n classes and m meta-classes per codebook: `n_codebooks`, or
+    by default ECOC_ROUNDS rounds of ceil(log_m n) codebooks, so that every pair of classes is
+    separated in at least ECOC_ROUNDS of them (m = 3: 9 codebooks for 10-27 classes, 12 for 28-81,
+    15 for 82-243). n <= m: 1."""
+    if n <= m:
+        return 1
+    return int(n_codebooks) if n_codebooks is not None else ECOC_ROUNDS * ecoc_rounds_length(n, m)
+
+
+def ecoc_codebooks(n: int, k: int, n_codebooks: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_codebooks, n) meta-class (0..min(n, k)-1) of every class in every codebook.
+
+    Built in rounds of L = ceil(log_k n) codebooks (the last round cut short when n_codebooks is not
+    a multiple of L). A round places the classes at the positions 0..n-1 of a random arrangement and
+    writes a position p in base k, p = d_0 + d_1 k + ... + d_{L-1} k^(L-1); its codebooks are
+    d_0 and (d_0 + d_i) mod k for i = 1..L-1. Jointly they give back every digit, so no two classes
+    share all of a round's meta-classes: every pair is separated at least once per full round.
+    Each codebook is balanced: every full run of k consecutive positions (fixed d_1..d_{L-1}) puts
+    one class in each meta-class, and the one partial run puts its classes in distinct ones, so a
+    meta-class holds floor(n / k) or ceil(n / k) classes. Each codebook alone is a uniformly random
+    balanced assignment (the arrangement is).
+    """
+    m = min(n, k)
+    length = ecoc_rounds_length(n, k) if n > k else 1
+    books = []
+    while len(books) < n_codebooks:
+        pos = rng.permutation(n)  # class c sits at position pos[c]
+        digits = [(pos // m ** i) % m for i in range(length)]
+        books.append(digits[0])
+        books.extend((digits[0] + d) % m for d in digits[1:])
+    return np.stack(books[:n_codebooks]).astype(np.int64)
+
+
+def ecoc_scores(meta_probs: list[np.ndarray] | np.ndarray, books: np.ndarray) -> np.ndarray:
+    """(n_query, n) score of every class: the sum over codebooks c of log meta_probs[c][:, books[c, class]]
+    (meta_probs[c]: (n_query, meta-classes), rows summing to 1; each kept >= ECOC_LOG_CLIP before its log)."""
+    score = np.zeros((len(meta_probs[0]), books.shape[1]))
+    for q, book in zip(meta_probs, books):
+        score += np.log(np.clip(q, ECOC_LOG_CLIP, None))[:, book]
+    return score
+
+
+def softmax_rows(score: np.ndarray) -> np.ndarray:
+    """Probabilities proportional to exp(score), row by row."""
+    p = np.exp(score - score.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def tree_passes(n: int, k: int) -> int:
+    """Model passes of the native strategy's class tree over n classes with a k-code head (one per
+    node with at least two classes; `TabFMClassifier._class_tree`)."""
+    if n <= k:
+        return 1
+    n_groups = math.ceil(n / k)
+    sizes = np.bincount(np.arange(n) * n_groups // n, minlength=n_groups)
+    return tree_passes(n_groups, k) + sum(tree_passes(int(s), k) for s in sizes if s >= 2)
 
 
 def _probs_fn(n_classes: int):
@@ -52,7 +151,12 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     (columns in `classes_` order, sorted); predict(X) takes the most probable class. A single
     class in y predicts that class with probability 1 (UserWarning).
 
-    multiclass   "ovr" (default) or "native": how more than two classes are predicted (module doc).
+    multiclass   "ovr" (default), "native" or "ecoc": how more than two classes are predicted (module doc).
+    n_codebooks  multiclass="ecoc" with more classes than the head's K codes: codebooks (model passes)
+                 per member; None (default) = 3 rounds of ceil(log_m n), every pair of classes then
+                 separated in >= 3 of them (`ecoc_n_codebooks`).
+    alphabet_size  multiclass="ecoc" beyond K classes: meta-classes per codebook, 2..K; None (default)
+                 = min(K, 3) (module doc).
     n_neighbors  sizes k of the neighbour features (default (5, 20); 0 = off): each task also shows
                  the model the share of its class(es) among every row's k nearest context rows.
     linear_features  each task also shows the model a logistic regression's logit of its class(es),
@@ -69,13 +173,16 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
-                 multiclass: str = "ovr", max_classes: int = 100,
+                 multiclass: str = "ovr", n_codebooks: int | None = None, alphabet_size: int | None = None,
+                 max_classes: int = 100,
                  backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
                          linear_features=linear_features, backend=backend)
         self.multiclass = multiclass
+        self.n_codebooks = n_codebooks
+        self.alphabet_size = alphabet_size
         self.max_classes = max_classes
 
     def fit(self, X: Any, y: Any) -> "TabFMClassifier":
@@ -89,6 +196,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         n = len(self.classes_)
         if not isinstance(self.max_classes, (int, np.integer)) or isinstance(self.max_classes, bool) or self.max_classes < 2:
             raise ValueError(f"max_classes must be an int >= 2, got {self.max_classes!r}")
+        self._check_ecoc_params()
         if np.asarray(y).dtype.kind in "iuf" and n > self.max_classes:
             raise ValueError(f"y has {n} distinct numeric values, more than max_classes={self.max_classes}: it looks like "
                              "a quantity to regress (TabFMRegressor, tabfm predict --task regression); to classify it "
@@ -98,9 +206,32 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                           "with probability 1", UserWarning, stacklevel=2)
         if n > OVR_COST_WARNING and self.multiclass == "ovr":
             warnings.warn(f"{n} classes: multiclass='ovr' runs {n} passes per ensemble member ({n * self.n_estimators} "
-                          "in all), so predictions take about that many times one pass; multiclass='native' is one "
-                          "pass per member", UserWarning, stacklevel=2)
+                          "in all), so predictions take about that many times one pass; multiclass='ecoc' or "
+                          "'native' take a few passes per member", UserWarning, stacklevel=2)
         return self
+
+    def _check_ecoc_params(self, k: int | None = None) -> None:
+        """n_codebooks and alphabet_size (<= the head's k codes, when known)."""
+        for name, low in (("n_codebooks", 1), ("alphabet_size", 2)):
+            v = getattr(self, name, None)
+            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low):
+                raise ValueError(f"{name} must be None or an int >= {low}, got {v!r}")
+        m = getattr(self, "alphabet_size", None)
+        if k is not None and m is not None and m > k:
+            raise ValueError(f"alphabet_size={m} is more meta-classes than the model's head predicts ({k} codes)")
+
+    def _alphabet(self, k: int) -> int:
+        """Meta-classes per codebook for a k-code head (alphabet_size, or min(k, ECOC_ALPHABET))."""
+        m = getattr(self, "alphabet_size", None)
+        return min(k, ECOC_ALPHABET) if m is None else int(m)
+
+    def _passes_per_member(self, n: int, k: int) -> int:
+        """Model passes one member makes for n classes with a k-code head (the progress bar's unit)."""
+        if n > 2 and self.multiclass == "ovr":
+            return n
+        if n > k and self.multiclass == "ecoc":
+            return ecoc_n_codebooks(n, self._alphabet(k), getattr(self, "n_codebooks", None))
+        return tree_passes(n, k)
 
     def predict_proba(self, X: Any) -> np.ndarray:
         """(n_rows, n_classes) class probabilities; columns follow `classes_`; rows sum to 1."""
@@ -110,20 +241,26 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         if n == 1:
             return np.ones((len(x), 1))
         rt = self._runtime()
+        self._check_ecoc_params(rt.max_categories)
         members = self._members(cover_all=False, n_classes=n)
         ovr = n > 2 and self.multiclass == "ovr"
-        total = np.zeros((len(x), n))
-        with self._bar(len(members) * (n if ovr else 1), "predict_proba") as bar:
+        ecoc = n > rt.max_categories and self.multiclass == "ecoc"
+        total = np.zeros((len(x), n))  # members' probabilities, or ("ecoc") their class scores, summed
+        with self._bar(len(members) * self._passes_per_member(n, rt.max_categories), "predict_proba") as bar:
             for m in members:
                 view = self._supervised_view(m, x, classes=True, rt=rt)
                 y = m.class_perm[self.y_[view.rows]]
                 if ovr:
                     probs = self._one_vs_rest(rt.for_member(m), view, y, n, bar.update)
+                elif ecoc:
+                    probs = self._output_codes(rt.for_member(m), view, y, n, m.rng(2), bar.update)  # scores
                 else:
-                    probs = self._class_tree(rt.for_member(m), view, y, n)
-                    bar.update()
+                    probs = self._class_tree(rt.for_member(m), view, y, n, bar.update)
                 total += m.unpermute_classes(probs)
-        total = np.clip(self._finite(total / len(members), "class probabilities"), 0.0, None)
+        total = self._finite(total / len(members), "class scores" if ecoc else "class probabilities")
+        if ecoc:  # members pooled in log space (module doc)
+            total = softmax_rows(total)
+        total = np.clip(total, 0.0, None)
         return total / total.sum(1, keepdims=True)
 
     def predict(self, X: Any) -> np.ndarray:
@@ -148,14 +285,31 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
             done()
         return odds / odds.sum(1, keepdims=True)
 
-    def _class_tree(self, rt: Runtime, view: View, y: np.ndarray, n: int) -> np.ndarray:
+    def _output_codes(self, rt: Runtime, view: View, y: np.ndarray, n: int, rng: np.random.Generator,
+                      done: Callable[[], Any] = lambda: None) -> np.ndarray:
+        """(n_query, n) scores of codes 0..n-1 (n > K; `ecoc_scores`) from the member's codebooks (module doc):
+        each codebook is one m-way pass on the context labels relabelled to their meta-classes."""
+        m = self._alphabet(rt.max_categories)
+        books = ecoc_codebooks(n, m, ecoc_n_codebooks(n, m, getattr(self, "n_codebooks", None)), rng)
+        meta_probs = []
+        for book in books:
+            meta = book[y]
+            meta_probs.append(self._predict_target(rt, view, meta, m, _probs_fn(m),
+                                                   feature_targets=feature_targets(meta, m)))
+            done()
+        return ecoc_scores(meta_probs, books)
+
+    def _class_tree(self, rt: Runtime, view: View, y: np.ndarray, n: int,
+                    done: Callable[[], Any] = lambda: None) -> np.ndarray:
         """(n_query, n) probabilities of codes 0..n-1 given context labels y, grouping when n > K."""
         k = rt.max_categories
         if n <= k:
-            return self._predict_target(rt, view, y, n, _probs_fn(n), feature_targets=feature_targets(y, n))
+            out = self._predict_target(rt, view, y, n, _probs_fn(n), feature_targets=feature_targets(y, n))
+            done()
+            return out
         n_groups = math.ceil(n / k)
         group = np.arange(n) * n_groups // n  # contiguous, balanced: sizes <= ceil(n / n_groups) <= K
-        top = self._class_tree(rt, view, group[y], n_groups)
+        top = self._class_tree(rt, view, group[y], n_groups, done)
         out = np.zeros((len(view.query), n))
         for g in range(n_groups):
             classes = np.flatnonzero(group == g)
@@ -165,6 +319,6 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                 continue
             local = np.full(n, -1)
             local[classes] = np.arange(len(classes))
-            within = self._class_tree(rt, view.subset(sel), local[y[sel]], len(classes))
+            within = self._class_tree(rt, view.subset(sel), local[y[sel]], len(classes), done)
             out[:, classes] = top[:, [g]] * within
         return out

@@ -54,7 +54,11 @@ class ClassifierParams(SupervisedParams):
     """TabFMClassifier's parameters."""
 
     numeric: Literal["raw", "quantile", "mixed"] = "raw"
-    multiclass: Literal["ovr", "native"] = "ovr"
+    multiclass: Literal["ovr", "native", "ecoc"] = "ovr"
+    n_codebooks: Optional[int] = Field(None, ge=1, description="multiclass=ecoc: codebooks (passes) per member; "
+                                       "null = automatic")
+    alphabet_size: Optional[int] = Field(None, ge=2, description="multiclass=ecoc: meta-classes per codebook "
+                                         "(at most the head's codes); null = automatic")
     max_classes: int = Field(100, ge=2, description="refuse a numeric target with more distinct values")
 
 
