@@ -88,6 +88,11 @@ class StreamConfig:
         # pretrain-wide with up to all features categorical (the default prior stops at half):
         # categorical-heavy tables such as tic-tac-toe or german credit
         "pretrain-mixed": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0))},
+        # nanoTabPFN-sized tables: 150 rows x 5 features + the target, classification only, a
+        # context share drawn as nanoTabPFN draws its split (the equal-budget study of BENCHMARKS.md)
+        "nano": dict(min_rows=150, max_rows=150, min_cols=6, max_cols=6, max_cells=900, row_quantum=10,
+                     cells_per_batch=28800, max_batch=32, classification=1.0, regression=0.0, imputation=0.0,
+                     context_fraction=(0.1, 0.9)),
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),

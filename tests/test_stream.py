@@ -168,6 +168,21 @@ def test_pretrain_mixed_draws_categorical_heavy_tables():
     assert (mixed > 0.5).mean() > 0.25 and mixed.max() == 1.0
 
 
+def test_nano_preset_is_nanotabpfn_sized_classification():
+    """nano: 32 tables of 150 rows x (5 features + target) a batch, every episode a classification
+    whose query rows are the target cells of the non-context rows (context share 0.1-0.9)."""
+    cfg = StreamConfig.preset("nano")
+    stream = SynthStream(cfg, seed=3)
+    for p in range(3):
+        batch, info = stream.episode_at(p)
+        assert tuple(batch.x.shape) == (32, 150, 6)
+        assert set(info.tasks) == {"classification"} and 2 <= min(info.n_classes) <= max(info.n_classes) <= 10
+        context = batch.context.float().mean(1)
+        assert ((context >= 0.1 - 1 / 150) & (context <= 0.9 + 1 / 150)).all()
+        q = batch.query.sum(2)  # one hidden cell (the target) in every non-context row
+        assert torch.equal(q, (~batch.context & batch.row_valid).long())
+
+
 def test_batches_have_bucket_shape_on_every_rank():
     streams = [SynthStream(TINY, seed=2, rank=r, world_size=3) for r in range(3)]
     for p in range(4):
