@@ -1,9 +1,15 @@
 """Test-session settings: tests use small tensors, where one intra-op thread is fastest and
 immune to oversubscription on the 2-core CI machine; fixtures the estimator tests share."""
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -16,6 +22,23 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first_seen.setdefault(item.fspath.strpath, i)
     items.sort(key=lambda item: (-slow[item.fspath.strpath], first_seen[item.fspath.strpath]))
+
+
+def _load_benchmark(name: str) -> ModuleType:
+    """benchmarks/NAME.py as the module `bench_NAME` (benchmarks/ on sys.path for their `common` import)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """A loader of the scripts under benchmarks/ (they are not a package): load_benchmark("loader")."""
+    return _load_benchmark
 
 
 @pytest.fixture(scope="module")

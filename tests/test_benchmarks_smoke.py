@@ -3,7 +3,6 @@ agree with FlopCounterMode on the matmuls, the TabPFN-v2 re-implementation has t
 parameter count, and a --quick run produces the table and the JSON."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -16,12 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ms():
-    spec = importlib.util.spec_from_file_location("model_speed", ROOT / "benchmarks" / "model_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["model_speed"] = module
-    spec.loader.exec_module(module)
-    return module
+def ms(load_benchmark):
+    return load_benchmark("model_speed")
 
 
 TOY = dict(tables=2, rows=16, cols=7, context=12)
@@ -209,16 +204,13 @@ def test_cpu_attention_quick(tmp_path):
             assert r["out_rel_err"] < 0.01 and r["dq_rel_err"] < 0.01
 
 
-def test_heldout_loss_compares_exports_on_the_same_batches(tmp_path, monkeypatch):
+def test_heldout_loss_compares_exports_on_the_same_batches(tmp_path, load_benchmark):
     """benchmarks/heldout_loss.py: one row per model and stream, equal to synthetic_eval by hand."""
     from tabfm.synth.stream import StreamConfig
     from tabfm.train.evaluate import synthetic_eval
     from tabfm.weights import load_model
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("heldout_loss", ROOT / "benchmarks" / "heldout_loss.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("heldout_loss")
     out = module.main(["--models", "tabfm-tiny,tabfm-tiny", "--streams", "tiny", "--batches", "2",
                        "--json", str(tmp_path / "h.json")])
     rows = json.loads((tmp_path / "h.json").read_text())["rows"]

@@ -355,17 +355,10 @@ def test_bad_epoch_and_state():
 
 
 # ------------------------------------------------------------------ benchmark smoke run
-def test_loader_benchmark_quick(tmp_path):
-    import importlib.util
+def test_loader_benchmark_quick(tmp_path, load_benchmark):
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "loader.py"
-    spec = importlib.util.spec_from_file_location("loader_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["loader_bench"] = bench
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("loader")
     out = tmp_path / "loader.json"
     assert bench.main(["--quick", "--tables", "6", "--sim-tables", "400", "--workers", "0", "--json", str(out)]) == 0
     res = json.loads(out.read_text())

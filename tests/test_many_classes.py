@@ -190,18 +190,11 @@ def test_pairs_of_classes_rarely_share_a_meta_class():
     assert 0.05 < together < 0.15
 
 
-def test_benchmark_script_runs_and_writes_json(export_dir, tmp_path, capsys):
+def test_benchmark_script_runs_and_writes_json(export_dir, tmp_path, capsys, load_benchmark):
     """benchmarks/many_classes.py on one small synthetic table with the random-weight export."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "many_classes.py"
-    spec = importlib.util.spec_from_file_location("many_classes_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["many_classes_bench"] = bench
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("many_classes")
     out = tmp_path / "mc.json"
     bench.main(["--tables", "synth50", "--models", export_dir, "--strategies", "ecoc,native", "--baselines", "rf",
                 "--seeds", "0", "--max-train", "100", "--max-test", "50", "--n-estimators", "1", "--json", str(out)])

@@ -4,25 +4,17 @@ Toy sizes, a few seconds in all."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def nano():
-    spec = importlib.util.spec_from_file_location("nanotabpfn_reference", ROOT / "benchmarks" / "nanotabpfn_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nanotabpfn_reference"] = module
-    spec.loader.exec_module(module)
-    return module
+def nano(load_benchmark):
+    return load_benchmark("nanotabpfn_reference")
 
 
 @pytest.fixture(scope="module")
