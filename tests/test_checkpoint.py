@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tabfm.parallel.sharded_checkpoint as sharded_mod
-from tabfm.parallel.state_io import file_sha256
+from tabfm.parallel.state_io import file_sha256, read_json, write_json
 from tabfm.parallel import (
     Booster,
     SingleProcessPlugin,
@@ -389,3 +389,27 @@ def test_export_round_trip_with_tied_weights(tmp_path):
     with pytest.raises(ValueError, match="JSON"):
         export_model(model, tmp_path / "other", {"bad": object()})
     assert not (tmp_path / "other").exists()
+
+
+def test_write_json_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A run's train_config.json is written atomically: a write that fails midway (here: a value JSON
+    cannot hold, or a crash inside the rename) leaves the previous file intact and no temporary file;
+    a truncated train_config.json once made a killed run unresumable (the soak test)."""
+    path = tmp_path / "train_config.json"
+    write_json(path, {"seed": 1, "steps": [1, 2]})
+    assert read_json(path) == {"seed": 1, "steps": [1, 2]}
+    with pytest.raises(TypeError):
+        write_json(path, {"seed": 2, "bad": object()})
+    assert read_json(path) == {"seed": 1, "steps": [1, 2]}
+
+    def crash(src, dst):
+        raise OSError("killed during the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        write_json(path, {"seed": 3})
+    assert read_json(path) == {"seed": 1, "steps": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["train_config.json"]
+    monkeypatch.undo()
+    write_json(path, {"seed": 4})
+    assert read_json(path) == {"seed": 4}

@@ -47,7 +47,7 @@ from tabfm.data.table_episodes import (
 )
 from tabfm.parallel import Booster, Plugin, latest_checkpoint
 from tabfm.parallel.launch import barrier
-from tabfm.parallel.state_io import read_json
+from tabfm.parallel.state_io import read_json, write_json
 from tabfm.synth.stream import StreamConfig, SynthStream
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
 from tabfm.model.lora import DEFAULT_TARGETS, LoraConfig, add_adapters, adapter_parameters, merge_adapters
@@ -897,11 +897,11 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     barrier()  # ... before the main process replaces it
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / TRAIN_CONFIG).write_text(json.dumps(record, indent=2))
+        write_json(out / TRAIN_CONFIG, record)  # atomic: a kill mid-write must not block the resume
         rows = {t.name: {"source": t.source, "rows": t.holdout_rows.tolist()} for t in tables}
         rows.update({t.name: {"source": t.source, "rows": t.holdout_rows.tolist(), "held_out_table": True,
                               "context_rows": t.train_rows.tolist()} for t in held_out})
-        (out / HOLDOUT_FILE).write_text(json.dumps(rows))
+        write_json(out / HOLDOUT_FILE, rows)
     if talk:
         for info in _tables_info(tables) + _tables_info(held_out):
             classes = f", {len(info['classes'])} classes" if info["classes"] else ""
@@ -1023,7 +1023,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     if report is not None:
         summary["report"] = report
     if main:
-        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        write_json(out / SUMMARY_FILE, summary)
     result = FinetuneResult(out, trainer.step, stopped, keeper.best_step, keeper.initial, keeper.best,
                             out / "export", summary["wall_s"], summary, train_result, summary.get("holdout_tables"))
     if talk:

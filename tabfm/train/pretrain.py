@@ -15,7 +15,6 @@ prior, comparable across runs whatever they were trained on.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from tabfm.parallel import Booster, Plugin, SingleProcessPlugin, latest_checkpoi
 from tabfm.parallel.checkpoint import MANIFEST, read_manifest
 from tabfm.parallel.export import export_model
 from tabfm.parallel.launch import barrier, launch
-from tabfm.parallel.state_io import read_json
+from tabfm.parallel.state_io import read_json, write_json
 from tabfm.data.store_episodes import StoreEpisodes, open_store, store_fingerprint
 from tabfm.data.table_episodes import EpisodeConfig
 from tabfm.synth.dataset import SynthDataset, SynthLoader
@@ -235,7 +234,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
         record = cfg.to_dict()
         if store is not None:
             record["data_store"] = store
-        (out / TRAIN_CONFIG).write_text(json.dumps(record, indent=2))
+        write_json(out / TRAIN_CONFIG, record)  # atomic: a kill mid-write must not block the resume
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
