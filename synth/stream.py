@@ -93,6 +93,12 @@ class StreamConfig:
         "nano": dict(min_rows=150, max_rows=150, min_cols=6, max_cols=6, max_cells=900, row_quantum=10,
                      cells_per_batch=28800, max_batch=32, classification=1.0, regression=0.0, imputation=0.0,
                      context_fraction=(0.1, 0.9)),
+        # many small tables of every task (up to 256 x 12, context share 0.1-0.9, up to all features
+        # categorical): a curriculum stage for more episodes per CPU-minute than pretrain-mixed
+        "pretrain-small": dict(min_rows=32, max_rows=256, min_cols=3, max_cols=12, max_cells=3072,
+                               row_quantum=16, cells_per_batch=24576, max_batch=48,
+                               classification=0.6, regression=0.2, imputation=0.2,
+                               context_fraction=(0.1, 0.9), prior=PriorConfig(categorical_fraction=(0.0, 1.0))),
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),

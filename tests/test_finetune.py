@@ -15,10 +15,11 @@ from tabfm.data.table_episodes import EpisodeConfig, EpisodeTable, TableEpisodeS
 from tabfm.parallel.export import export_model
 from tabfm.cli import main
 from tabfm.model import ModelConfig, TabFM
-from tabfm.train.finetune import FinetuneConfig, FinetuneData, BestKeeper, finetune
+from tabfm.train.finetune import FinetuneConfig, FinetuneData, BestKeeper, HoldoutEval, finetune, load_tables, paired_z
 from tabfm.train.pretrain import checkpoint_model_state, export_config
 from tabfm.train.metrics_log import read_metrics
 from tabfm.train.trainer import Trainer
+from tabfm.weights import load_model
 
 SMALL = dict(d_model=32, n_layers=2, n_heads=2)
 
@@ -63,7 +64,9 @@ def table_csv(tmp_path_factory) -> str:
 
 
 def smoke(init: str, **kw) -> FinetuneConfig:
-    return FinetuneConfig.preset("smoke", init=init, target="y", threads=1, **kw)
+    # significance 0: runs of a few steps test the mechanics of training and export, and rarely move
+    # the held-out loss by two standard errors (the paired test has tests of its own)
+    return FinetuneConfig.preset("smoke", init=init, target="y", threads=1, **{"significance": 0.0, **kw})
 
 
 def weights(path) -> dict[str, torch.Tensor]:
@@ -119,6 +122,44 @@ def test_finetune_improves_held_out_logloss_and_never_sees_held_out_rows(tmp_pat
     clf = TabFMClassifier(model=str(tmp_path / "export"), n_estimators=1, random_state=0)
     proba = clf.fit(train.drop(columns="y"), train["y"]).predict_proba(frame.drop(columns="y").iloc[held])
     assert proba.shape == (len(held), 2) and np.allclose(proba.sum(1), 1)
+
+
+def test_paired_z_is_the_mean_paired_difference_over_its_standard_error():
+    best = {"a": np.array([1.0, 2.0, 3.0, 4.0]), "b": np.array([0.5, 0.5])}
+    new = {"a": np.array([0.8, 1.9, 2.6, 4.1]), "b": np.array([0.4, 0.2])}
+    # by hand: a's differences 0.2, 0.1, 0.4, -0.1 (mean 0.15, sample var 0.04333 / 4 rows);
+    # b's 0.1, 0.3 (mean 0.2, sample var 0.02 / 2 rows); mean over tables 0.175, SE sqrt(0.010833 + 0.01) / 2
+    assert paired_z(best, new) == pytest.approx(0.175 / (np.sqrt(0.0433333 / 4 + 0.02 / 2) / 2), rel=1e-4)
+    assert paired_z(best, best) == 0.0
+    assert paired_z(best, {k: v - 1.0 for k, v in best.items()}) == np.inf  # every row better by the same amount
+
+
+def test_best_keeper_exports_only_improvements_beyond_the_holdouts_noise():
+    rng = np.random.default_rng(0)
+    start = {"t": rng.exponential(0.5, size=400)}
+    noisy = {"t": start["t"] + rng.normal(0.0, 0.5, size=400)}  # mean change ~0: held-out noise
+    noisy["t"] += start["t"].mean() - noisy["t"].mean() - 0.01  # 0.01 lower on average: a lucky draw, z ~ 0.4
+    clear = {"t": start["t"] - 0.05 + rng.normal(0.0, 0.02, size=400)}  # lower on nearly every row
+    exported = []
+
+    def run(significance: float) -> BestKeeper:
+        keeper = BestKeeper(patience=0, min_delta=1e-4, significance=significance)
+        keeper.bind(None, lambda step, metrics: exported.append((significance, metrics["score"])))
+        for rows in (start, noisy, clear):
+            keeper.update({"score": float(rows["t"].mean())}, rows)
+        return keeper
+
+    strict = run(2.0)
+    assert [s for z, s in exported if z == 2.0] == pytest.approx([start["t"].mean(), clear["t"].mean()])
+    assert strict.best["score"] == pytest.approx(clear["t"].mean())
+    exported.clear()
+    run(0.0)  # no test: the lucky draw counts
+    assert [s for _, s in exported] == pytest.approx([start["t"].mean(), noisy["t"].mean(), clear["t"].mean()])
+
+    again = BestKeeper(patience=0, min_delta=1e-4, significance=2.0)  # the paired rows ride in the checkpoint state
+    again.load_state_dict(json.loads(json.dumps(strict.state_dict())))
+    assert np.array_equal(again.best_rows["t"], strict.best_rows["t"])
+    assert again.update({"score": float(noisy["t"].mean())}, noisy)["improved"] == 0.0
 
 
 @pytest.mark.parametrize("lora_rank", [None, 4])
@@ -335,6 +376,10 @@ def test_the_held_out_score_is_the_estimators_score_on_the_export(tmp_path, tabl
     proba = clf.predict_proba(frame.drop(columns="y").iloc[held])
     ll = log_loss(frame["y"].iloc[held], np.clip(proba, 1e-15, 1.0), labels=clf.classes_)
     assert ll == pytest.approx(result.best["rules/logloss"], abs=1e-6)
+    evaluator = HoldoutEval(load_tables(cfg.data, cfg), cfg, "knn-linear")  # per-row losses (the paired test's)
+    got = evaluator(load_model(str(tmp_path / "export")))
+    assert got["rules/logloss"] == pytest.approx(ll, abs=1e-6)
+    assert evaluator.rows["rules"].mean() == pytest.approx(ll, abs=1e-6) and len(evaluator.rows["rules"]) == len(held)
     assert config["finetune"]["step"] == result.best_step > 0  # it moved: the check compares trained weights
 
     got, base = weights(tmp_path / "export"), weights(Path(random_cf_export))

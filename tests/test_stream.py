@@ -183,6 +183,23 @@ def test_nano_preset_is_nanotabpfn_sized_classification():
         assert torch.equal(q, (~batch.context & batch.row_valid).long())
 
 
+def test_pretrain_small_preset_holds_many_small_tables_of_every_task():
+    """pretrain-small: tables up to 256 x 12 within 3072 cells, so a 24,576-cell batch holds at
+    least 8 of them; every task appears; context shares span nanoTabPFN's 0.1-0.9."""
+    cfg = StreamConfig.preset("pretrain-small")
+    stream = SynthStream(cfg, seed=5)
+    tasks, counts = set(), []
+    for p in range(30):
+        batch, info = stream.episode_at(p)
+        B, R, C = batch.x.shape
+        assert 32 <= R <= 256 and 3 <= C <= 12 and R * C <= 3072 and R % 16 == 0
+        counts.append(B)
+        assert min(cfg.cells_per_batch // (R * C), cfg.max_batch) == B
+        tasks |= set(info.tasks)
+    assert tasks == {"classification", "regression", "imputation"}
+    assert min(counts) >= 8 and max(counts) == 48
+
+
 def test_batches_have_bucket_shape_on_every_rank():
     streams = [SynthStream(TINY, seed=2, rank=r, world_size=3) for r in range(3)]
     for p in range(4):

@@ -38,7 +38,7 @@ _FIELDS = {
     "eval_every": int, "patience": int, "ckpt_every": int, "keep_last": int, "log_every": int, "device": str,
     "min_rows": int, "max_rows": int, "cells_per_batch": int, "imputation": float, "categorical": str,
     "eval_estimators": int, "eval_rows": int, "replay_stream": str, "lora_rank": int, "lora_alpha": float,
-    "report": str, "holdout_tables": int,
+    "report": str, "holdout_tables": int, "significance": float,
 }
 _CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity"),
             "replay_stream": (*STREAM_PRESETS, "none")}
@@ -64,6 +64,8 @@ _HELP = {
     "grad_accum": "batches accumulated into one optimizer step (default 1)",
     "eval_every": "steps between held-out evaluations (default 25)",
     "patience": "evaluations without improvement before stopping (0: never; default 4)",
+    "significance": "an evaluation counts as an improvement (and is exported) only when the held-out rows' "
+                    "losses drop by more than this many paired standard errors; 0: any improvement (default 2)",
     "ckpt_every": "steps between checkpoints (default 25)",
     "keep_last": "checkpoints kept; older ones are removed (default 2)",
     "log_every": "steps between logged training metrics, and between plain progress lines without a progress "

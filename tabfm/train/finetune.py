@@ -95,6 +95,10 @@ class FinetuneConfig:
     min_rows .. categorical   episode shapes and mix (see tabfm.data.table_episodes.EpisodeConfig)
     eval_every     steps between held-out evaluations; patience: evaluations without an improvement of
                    more than min_delta before stopping (0: never stop early)
+    significance   an evaluation improves on the best (and is exported) only when its held-out rows' losses
+                   are lower by more than `significance` standard errors of the paired per-row differences
+                   (log-loss per row; squared error / var(y) for regression): a step that fits the holdout's
+                   noise is not exported. 0: any improvement beyond min_delta
     eval_estimators, eval_rows, eval_context_rows   the evaluation's ensemble size, held-out rows scored per
                    table (a fixed random subset beyond), and context rows (the estimators' max_context_rows)
     plugin         engine plugin: single | ddp | zero | fsdp | hybrid (the distributed ones under torchrun);
@@ -142,6 +146,7 @@ class FinetuneConfig:
     eval_every: int = 25
     patience: int = 4
     min_delta: float = 1e-4
+    significance: float = 2.0
     eval_estimators: int = 4
     eval_rows: int = 2048
     eval_context_rows: int = 2048
@@ -238,6 +243,7 @@ class FinetuneConfig:
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self.clip > 0, "clip", "must be > 0")
         need(self.min_delta >= 0, "min_delta", "must be >= 0")
+        need(self.significance >= 0, "significance", "must be >= 0 (standard errors; 0: no test)")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be > 0")
         need(self.threads is None or (integer(self.threads) and self.threads >= 1), "threads", "must be None or an integer >= 1")
         if self.replay_stream not in (None, NO_STREAM):
@@ -497,12 +503,15 @@ class HoldoutEval:
     fine-tuning episodes do not carry: it is scored with them off and one n-way pass for classes
     (`estimator_params`, which reproduce the scores), with a warning.
     Metrics per table: log-loss, accuracy, ROC-AUC (one-vs-rest for multiclass) or RMSE, R^2;
-    `score` = mean over tables of log-loss or RMSE / std(training y). Lower is better."""
+    `score` = mean over tables of log-loss or RMSE / std(training y). Lower is better.
+    `rows` holds the last call's per-row losses per table (the row's log-loss, or its squared error
+    / var(training y)), for BestKeeper's paired test."""
 
     def __init__(self, tables: list[FinetuneTable], cfg: FinetuneConfig, context_features: str = "none") -> None:
         from tabfm.estimators import TabFMClassifier, TabFMRegressor  # sklearn-heavy: only when evaluating
 
         self.tables = tables
+        self.rows: dict[str, np.ndarray] = {}
         self.estimator_params = self.params_for(cfg, context_features)
         self.estimators = []
         for t in tables:
@@ -536,6 +545,9 @@ class HoldoutEval:
                     proba = est.predict_proba(t.eval_X)
                     labels = est.classes_
                     ll = float(log_loss(t.eval_y, np.clip(proba, 1e-15, 1.0), labels=labels))
+                    clipped = np.clip(proba, 1e-15, 1.0)
+                    clipped = clipped / clipped.sum(1, keepdims=True)  # as log_loss renormalises
+                    self.rows[t.name] = -np.log(clipped[np.arange(len(proba)), np.searchsorted(labels, t.eval_y)])
                     auc = float("nan")
                     present = np.unique(t.eval_y)
                     if len(present) == len(labels) == 2:
@@ -549,6 +561,7 @@ class HoldoutEval:
                     pred = est.predict(t.eval_X)
                     rmse = float(np.sqrt(np.mean((pred - t.eval_y) ** 2)))
                     scale = float(np.std(t.train_y)) or 1.0
+                    self.rows[t.name] = ((pred - t.eval_y) / scale) ** 2
                     out.update({f"{t.name}/rmse": rmse, f"{t.name}/nrmse": rmse / scale,
                                 f"{t.name}/r2": float(r2_score(t.eval_y, pred)) if len(t.eval_y) > 1 else float("nan")})
                     scores.append(rmse / scale)
@@ -559,22 +572,45 @@ class HoldoutEval:
 
 # --------------------------------------------------------------------------- early stopping
 
+def paired_z(best: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> float:
+    """How many standard errors lower `new`'s per-row losses are than `best`'s, on the same rows:
+    the mean over tables of each table's mean paired difference, over its standard error (tables
+    independent). +inf when every difference is equal and positive, 0 when there are none."""
+    means, var = [], 0.0
+    for name, b in best.items():
+        d = np.asarray(b, dtype=np.float64) - np.asarray(new[name], dtype=np.float64)
+        means.append(float(d.mean()) if len(d) else 0.0)
+        var += float(d.var(ddof=1)) / len(d) if len(d) > 1 else 0.0
+    if not means:
+        return 0.0
+    diff, se = float(np.mean(means)), math.sqrt(var) / len(means)
+    if se == 0.0:
+        return math.inf if diff > 0 else (0.0 if diff == 0 else -math.inf)
+    return diff / se
+
+
 class BestKeeper:
     """Keeps the best held-out score: exports the weights at every improvement, and stops the
     Trainer (by ending its run at the current step) after `patience` evaluations without one.
+    An improvement is a score lower by more than `min_delta` and, with `significance` > 0 and the
+    per-row losses given, per-row losses lower than the best's by more than `significance` paired
+    standard errors (`paired_z`): a few hundred held-out rows are noisy, and a step selected on
+    their noise exports weights that predict new rows worse than the starting ones.
 
     The held-out tables' scores (`holdout_tables`) are noted beside it (`note_tables`): those of
     the first evaluation and of the best step's, never used to choose or stop.
 
     Its state is small and JSON-only; `FinetuneData` carries it inside every checkpoint."""
 
-    def __init__(self, patience: int, min_delta: float, log: Callable[[str], None] | None = None) -> None:
-        self.patience, self.min_delta, self.log = patience, min_delta, log
+    def __init__(self, patience: int, min_delta: float, significance: float = 0.0,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.patience, self.min_delta, self.significance, self.log = patience, min_delta, significance, log
         self.trainer: Trainer | None = None
         self.export: Callable[[int, dict[str, float]], None] | None = None
         self.initial: dict[str, float] | None = None
         self.best: dict[str, float] | None = None
         self.best_step = -1
+        self.best_rows: dict[str, np.ndarray] | None = None
         self.bad_evals = 0
         self.stopped = False
         self.last_step = -1
@@ -584,15 +620,24 @@ class BestKeeper:
     def bind(self, trainer: Trainer, export: Callable[[int, dict[str, float]], None]) -> None:
         self.trainer, self.export = trainer, export
 
-    def update(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Record one evaluation at the Trainer's current step; return what to log beside it."""
+    def update(self, metrics: dict[str, float], rows: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+        """Record one evaluation (its metrics, and its per-row losses for the paired test) at the
+        Trainer's current step; return what to log beside it."""
         step = self.trainer.step if self.trainer is not None else 0
         score = metrics["score"]
         if self.initial is None:
             self.initial = dict(metrics)
-        improved = self.best is None or score < self.best["score"] - self.min_delta
+        z = math.nan
+        if self.best is None:
+            improved = True
+        else:
+            improved = score < self.best["score"] - self.min_delta
+            if rows is not None and self.best_rows is not None:
+                z = paired_z(self.best_rows, rows)
+                improved = improved and (self.significance == 0 or z > self.significance)
         if improved:
             self.best, self.best_step, self.bad_evals = dict(metrics), step, 0
+            self.best_rows = None if rows is None else {k: np.asarray(v, dtype=np.float64) for k, v in rows.items()}
             if self.export is not None:
                 self.export(step, metrics)
         else:
@@ -605,9 +650,11 @@ class BestKeeper:
         if self.log is not None:
             flag = " *" if improved else (f"  (stopping: {self.bad_evals} evaluations without improvement)"
                                           if self.stopped else "")
-            self.log(f"step {step:>5}: held-out score {score:.4f}  best {self.best['score']:.4f} "
+            zs = "" if math.isnan(z) else f"  ({z:+.1f} SE vs the best)"
+            self.log(f"step {step:>5}: held-out score {score:.4f}{zs}  best {self.best['score']:.4f} "
                      f"at step {self.best_step}{flag}")
-        return {"best_score": self.best["score"], "best_step": float(self.best_step), "improved": float(improved)}
+        return {"best_score": self.best["score"], "best_step": float(self.best_step), "improved": float(improved),
+                "z_vs_best": z}
 
     def note_tables(self, metrics: dict[str, float]) -> None:
         """The held-out tables' scores at the Trainer's current step, evaluated after `update`: kept
@@ -624,7 +671,8 @@ class BestKeeper:
 
         return {"initial": clean(self.initial), "best": clean(self.best), "best_step": self.best_step,
                 "bad_evals": self.bad_evals, "stopped": self.stopped, "last_step": self.last_step,
-                "tables_initial": clean(self.tables_initial), "tables_best": clean(self.tables_best)}
+                "tables_initial": clean(self.tables_initial), "tables_best": clean(self.tables_best),
+                "best_rows": None if self.best_rows is None else {k: v.tolist() for k, v in self.best_rows.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def restore(d: dict[str, Any] | None) -> dict[str, float] | None:
@@ -635,6 +683,8 @@ class BestKeeper:
         self.last_step = int(state["last_step"])
         self.tables_initial = restore(state.get("tables_initial"))  # absent in checkpoints of older runs
         self.tables_best = restore(state.get("tables_best"))
+        rows = state.get("best_rows")  # absent in checkpoints of older runs: their next step is judged by score only
+        self.best_rows = None if rows is None else {k: np.asarray(v, dtype=np.float64) for k, v in rows.items()}
         # judged by this run's patience: rerunning an early-stopped run with a larger --patience continues it
         self.stopped = bool(self.patience) and self.bad_evals >= self.patience
 
@@ -949,14 +999,14 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
 
     from tqdm.auto import tqdm
 
-    keeper = BestKeeper(cfg.patience, cfg.min_delta, log=tqdm.write if talk else None)
+    keeper = BestKeeper(cfg.patience, cfg.min_delta, cfg.significance, log=tqdm.write if talk else None)
     stream = finetune_data(cfg, tables, replay_tables, keeper, model_cfg, rank=plug.dp_rank,
                            world_size=plug.dp_world_size)
     holdout = HoldoutEval(tables, cfg, model_cfg.context_features)
 
     def evaluate(module: nn.Module) -> dict[str, float]:
         metrics = holdout(module)
-        return {**metrics, **keeper.update(metrics)}
+        return {**metrics, **keeper.update(metrics, holdout.rows)}
 
     evaluators: dict[str, Callable[[nn.Module], dict[str, float]]] = {"holdout": evaluate}
     if held_out:  # after "holdout": the keeper has judged (and exported) the step when they are noted
