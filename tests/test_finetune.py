@@ -15,7 +15,7 @@ from tabfm.data.table_episodes import EpisodeConfig, EpisodeTable, TableEpisodeS
 from tabfm.parallel.export import export_model
 from tabfm.cli import main
 from tabfm.model import ModelConfig, TabFM
-from tabfm.train.finetune import FinetuneConfig, FinetuneData, BestKeeper, HoldoutEval, finetune, load_tables, paired_z
+from tabfm.train.finetune import FinetuneConfig, FinetuneData, BestKeeper, HoldoutEval, finetune, format_summary, load_tables, paired_z
 from tabfm.train.pretrain import checkpoint_model_state, export_config
 from tabfm.train.metrics_log import read_metrics
 from tabfm.train.trainer import Trainer
@@ -160,6 +160,18 @@ def test_best_keeper_exports_only_improvements_beyond_the_holdouts_noise():
     again.load_state_dict(json.loads(json.dumps(strict.state_dict())))
     assert np.array_equal(again.best_rows["t"], strict.best_rows["t"])
     assert again.update({"score": float(noisy["t"].mean())}, noisy)["improved"] == 0.0
+
+
+def test_the_summary_says_when_no_step_beat_the_start():
+    def summary(best_step: int, significance: float) -> str:
+        return format_summary({"out": "o", "init": "i", "data": "d", "step": 40, "steps": 300, "stopped": "time",
+                               "best_step": best_step, "wall_s": 60.0, "export": "o/export",
+                               "significance": significance, "before": {"step": 0, "score": 0.5},
+                               "best": {"step": best_step, "score": 0.5 if best_step == 0 else 0.4}})
+
+    assert "no evaluation beat step 0 by more than 2 paired standard errors" in summary(0, 2.0)
+    assert "no evaluation beat step 0: the export is the starting weights" in summary(0, 0.0)
+    assert "no evaluation beat" not in summary(20, 2.0)
 
 
 @pytest.mark.parametrize("lora_rank", [None, 4])

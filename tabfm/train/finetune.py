@@ -1059,7 +1059,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         "step": trainer.step, "steps": cfg.steps, "stopped": stopped, "best_step": keeper.best_step,
         "before": {"step": 0, **{k: _finite(v) for k, v in keeper.initial.items()}},
         "best": {"step": keeper.best_step, **{k: _finite(v) for k, v in keeper.best.items()}},
-        "export": str(out / "export"), "wall_s": time.perf_counter() - start,
+        "export": str(out / "export"), "wall_s": time.perf_counter() - start, "significance": cfg.significance,
     }
     if held_out:
         summary["holdout_tables"] = {
@@ -1113,6 +1113,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         "",
         f"  {'held-out':<{width}}{'step 0':>12}{'best':>12}{'change':>12}",
     ]
+    if summary["best_step"] == 0 and summary["step"] > 0:
+        z = summary.get("significance")
+        by = f" by more than {z:g} paired standard errors (--significance)" if z else ""
+        lines[3:3] = [f"  no evaluation beat step 0{by}: the export is the starting weights"]
     for k in keys:
         a, b = before.get(k), best.get(k)
         change = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
