@@ -544,8 +544,8 @@ class HoldoutEval:
                 if t.task == CLASSIFICATION:
                     proba = est.predict_proba(t.eval_X)
                     labels = est.classes_
-                    ll = float(log_loss(t.eval_y, np.clip(proba, 1e-15, 1.0), labels=labels))
                     clipped = np.clip(proba, 1e-15, 1.0)
+                    ll = float(log_loss(t.eval_y, clipped, labels=labels))
                     clipped = clipped / clipped.sum(1, keepdims=True)  # as log_loss renormalises
                     self.rows[t.name] = -np.log(clipped[np.arange(len(proba)), np.searchsorted(labels, t.eval_y)])
                     auc = float("nan")
