@@ -27,6 +27,10 @@ class PriorConfig:
     # --- task and target
     p_classification: float = 0.5  # P(task is classification); the stream may override it (0 or 1)
     max_classes: int = 10  # classification targets have 2..max_classes classes, all present
+    # P(a classification target is cut at equal-share rank thresholds, so a draw of K classes keeps all K;
+    # otherwise random shares and value cuts merge small classes and 10-class targets are ~2% of them).
+    # 0 (the default) draws nothing extra: the stream of earlier stages is unchanged
+    p_equal_class_shares: float = 0.0
 
     # --- causal graph
     hidden_nodes: tuple[float, float] = (0.25, 1.0)  # unobserved extra SCM nodes, as a fraction of n_cols
@@ -75,7 +79,7 @@ class PriorConfig:
 
 
 _PROBABILITIES = (
-    "p_classification", "p_disjoint_subgraphs", "p_tree_node", "p_discretize_node", "p_non_iid",
+    "p_classification", "p_equal_class_shares", "p_disjoint_subgraphs", "p_tree_node", "p_discretize_node", "p_non_iid",
     "p_warp", "p_quantize", "p_missing", "p_mcar", "p_mar", "p_mnar",
     "p_datetime", "p_text", "p_bool", "p_string_target",
 )

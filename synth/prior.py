@@ -79,7 +79,8 @@ def sample_table(cfg: PriorConfig, rng: np.random.Generator, n_rows: int, n_cols
             x[:, j] = quantize(rng, x[:, j])
 
     if classification:
-        x[:, n_feat] = make_classes(rng, scm.values[target], cfg.max_classes, scm.codes.get(target))
+        x[:, n_feat] = make_classes(rng, scm.values[target], cfg.max_classes, scm.codes.get(target),
+                                     cfg.p_equal_class_shares)
         kind[n_feat], card[n_feat] = CATEGORICAL, int(x[:, n_feat].max()) + 1
 
     if n_feat and rng.random() < cfg.p_missing:

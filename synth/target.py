@@ -51,13 +51,21 @@ def make_classes(
     value: np.ndarray,
     max_classes: int,
     codes: tuple[np.ndarray, int] | None = None,
+    p_equal_shares: float = 0.0,
 ) -> np.ndarray:
-    """int64 labels 0..K'-1 for a node, every class present, 2 <= K' <= max_classes (n_rows >= 2)."""
+    """int64 labels 0..K'-1 for a node, every class present, 2 <= K' <= max_classes (n_rows >= 2).
+
+    With probability `p_equal_shares` the node is cut at equal-share rank thresholds (K' = K unless
+    ties in the node merge classes); p_equal_shares = 0 draws no extra random number."""
     n = value.shape[0]
     k = min(int(rng.integers(2, max_classes + 1)), max(2, n // 2))
     min_count = _min_count(n, k)
     labels = None
-    if codes is not None and rng.random() < 0.5:
+    if p_equal_shares > 0 and rng.random() < p_equal_shares:
+        labels = _cut(value, np.sort(value)[(np.arange(1, k) * n) // k], min_count)
+        if labels.max() < 1:  # a (near-)constant node: equal shares of the rank order instead
+            labels = (np.argsort(np.argsort(value, kind="stable"), kind="stable") * k) // n
+    elif codes is not None and rng.random() < 0.5:
         labels = _from_categories(rng, codes[0], codes[1], k, min_count)
     if labels is None or labels.max() < 1:
         if rng.random() < 0.5:  # rank thresholds with random class shares

@@ -272,6 +272,7 @@ def test_classification_targets_are_learnable():
 # ------------------------------------------------------------------ config validation
 BAD_VALUES = [
     ("p_classification", -0.1), ("p_classification", 1.5), ("max_classes", 1), ("max_classes", 2.5),
+    ("p_equal_class_shares", -0.1), ("p_equal_class_shares", 1.5),
     ("hidden_nodes", (-1.0, 1.0)), ("hidden_nodes", (1.0, 0.5)), ("root_fraction", (0.1, 1.5)),
     ("p_redirect", (0.0, 2.0)), ("max_parents", 0), ("p_disjoint_subgraphs", 2.0),
     ("activations", ()), ("activations", ("tanh", "nope")), ("activations", "tanh"), ("max_hidden", 0),
@@ -372,6 +373,28 @@ def test_make_classes_all_present_even_when_tiny():
         assert 2 <= k <= 10 and np.array_equal(np.unique(y), np.arange(k))
     y = make_classes(rng(0), np.zeros(10), 5)  # constant node still yields 2 classes
     assert set(y.tolist()) == {0, 1}
+
+
+
+def test_equal_class_shares_keep_every_drawn_class():
+    """p_equal_shares = 1: a continuous node of 600 rows is cut into the K classes drawn (2..10), each
+    with n / K rows (+-1), whatever K; p_equal_shares = 0 draws exactly as before (same labels, same
+    generator state afterwards), so earlier stages' streams are unchanged."""
+    v = rng(1).standard_normal(600)
+    drawn = set()
+    for seed in range(60):
+        y = make_classes(rng(seed), v, 10, None, 1.0)
+        k = int(rng(seed).integers(2, 11))  # the K make_classes draws first
+        counts = np.bincount(y)
+        assert len(counts) == k and counts.min() >= 600 // k - 1 and counts.max() <= 600 // k + 1
+        drawn.add(k)
+    assert drawn == set(range(2, 11))
+    for seed in range(20):
+        g0, g1 = rng(seed), rng(seed)
+        assert np.array_equal(make_classes(g0, v, 10), make_classes(g1, v, 10, None, 0.0))
+        assert g0.random() == g1.random()
+    y = make_classes(rng(0), np.zeros(40), 5, None, 1.0)  # a constant node still yields >= 2 classes
+    assert len(np.unique(y)) >= 2
 
 
 # ------------------------------------------------------------------ raw mode
