@@ -257,6 +257,16 @@ def test_a_continuous_looking_target_is_refused_by_the_classifier_with_a_hint(tm
     assert "--task regression" in capsys.readouterr().err
 
 
+
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path):
+    """Killed after logging step 1 but before any checkpoint: the rerun starts at step 0 and its
+    metrics log drops the killed attempt's steps (the soak test met this at random)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "kind": "train", "loss": 1.0}) + "\n")
+    assert train(out) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+
 @pytest.mark.slow
 def test_soak_ten_kills_end_on_the_uninterrupted_weights(tmp_path):
     """`tabfm pretrain` SIGKILLed at 10 random moments in a row (startup, mid-step, mid-save), then

@@ -190,7 +190,9 @@ class Trainer:
                              + "; ".join(problems) + ". Restore them, or pass --restart to start the run over")
         for problem in problems if self.is_main else ():
             warnings.warn(f"skipping damaged checkpoint {problem}; resuming from {name}", stacklevel=2)
-        if name is None:
+        if name is None:  # a fresh start, or a run killed before its first checkpoint: its logged steps go
+            if self.log is not None:
+                self.log.truncate_after(0)
             return 0
         ckpt = self.ckpt_root / name
         try:
