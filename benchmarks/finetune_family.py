@@ -159,16 +159,17 @@ def run(args) -> dict:
               f"{res.initial.get('score'):.4f} -> {res.best.get('score'):.4f}, "
               f"{runs[f'full-z{z:g}']['wall_s'] / 60:.1f} min", flush=True)
 
-    variants = []
-    for name in models:
-        variants += [name, f"{name} pooled" if name != "in-context" else "pooled"]
+    def label(name: str, pooled_ctx: bool) -> str:
+        return name if not pooled_ctx else ("pooled" if name == "in-context" else f"{name} pooled")
+
+    variants = [label(name, p) for name in models for p in (False, True)]
     results = {}
     for tname, table in new.items():
         row = {"rows": len(table)}
         for name, model in models.items():
             for pooled_ctx in (False, True):
-                v = (f"{name} pooled" if name != "in-context" else "pooled") if pooled_ctx else name
-                row[v] = out_of_fold(model, params, table, ds.target, task, classes, pooled if pooled_ctx else None)
+                row[label(name, pooled_ctx)] = out_of_fold(model, params, table, ds.target, task, classes,
+                                                           pooled if pooled_ctx else None)
         results[tname] = row
         print(f"  {tname} ({len(table)} rows): " + ", ".join(f"{v} {row[v][primary]:.4f}" for v in variants),
               flush=True)
