@@ -7,19 +7,22 @@
 #
 # Steps (each bounded by `timeout`; a failing step is logged in summary.json and the script goes on):
 #  1. versions.json (python, torch, triton, CUDA, GPU) and nvidia-smi.txt;
-#  2. the CUDA test subset (<= 3 min): tests/test_gemini_cuda.py and the CUDA tests of
+#  2. the CUDA test subset (<= 90 s): tests/test_gemini_cuda.py and the CUDA tests of
 #     tests/test_triton_kernels.py -> pytest_cuda.log / .xml (dry: the same files on CPU, where the
 #     CUDA tests skip and the kernel tests run under the interpreter);
-#  3. benchmarks/triton_kernels.py (<= 4 min): each Triton kernel vs torch eager and torch.compile,
-#     and bf16 train steps of tiny/small/base with the kernels on / off (cells/s, MFU against the
-#     measured bf16 matmul peak) -> triton_kernels.json (dry: --device cpu --quick, correctness only);
+#  3. benchmarks/triton_kernels.py (<= 2 min): correctness of each Triton kernel, bf16 train steps of
+#     tiny/small with the kernels on / off (cells/s, MFU against the measured bf16 matmul peak), then
+#     each kernel timed vs torch eager and torch.compile at width 128 -> triton_kernels.json (written
+#     after each part, so a timeout keeps what was measured; dry: --device cpu --quick, correctness only);
 #     benchmarks/model_speed.py is CPU-only (no device option), so it is not run here;
-#  4. benchmarks/gemini_capacity.py --device cuda (<= 2 min) -> gemini_capacity_cuda.json
+#  4. benchmarks/gemini_capacity.py --device cuda (<= 1 min) -> gemini_capacity_cuda.json
 #     (dry: --quick on the CPU tier);
 #  5. with the time left (GPU_RUN_SECONDS, default 720, minus what steps 1-4 took, minus 60 s for
-#     the export), `tabfm pretrain --preset small --precision bf16 --device cuda --max-minutes N
-#     --out $OUT/small`, which checkpoints and exports on expiry (dry: --preset smoke, a few steps);
-#     if it fails, once more with TABFM_TRITON=0 (torch's ops) into $OUT/small-torch-ops;
+#     the export): `tabfm pretrain --preset small` from scratch on pretrain-classes with the
+#     knn-linear columns, bf16, into $OUT/small, and beside it, when GPU_RUN_INIT names an export,
+#     that model continued into $OUT/init (see step 5 for GPU_RUN_ARGS / GPU_RUN_INIT_ARGS); both
+#     checkpoint and export on expiry (dry: --preset smoke, a few steps); if the small run fails,
+#     once more with TABFM_TRITON=0 (torch's ops) into $OUT/small-torch-ops;
 #  6. summary.json: each step's exit status and seconds, and the kernel/train-step results.
 # Exit status: 0 if every step passed.
 set -uo pipefail
@@ -84,7 +87,7 @@ if [ "$DRY" != "1" ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.
 fi
 
 # 2. the CUDA test subset
-step pytest_cuda 180 "$OUT_DIR/pytest_cuda.log" -- "$PY" -m pytest -q -rsf -p no:cacheprovider \
+step pytest_cuda 90 "$OUT_DIR/pytest_cuda.log" -- "$PY" -m pytest -q -rsf -p no:cacheprovider \
     tests/test_gemini_cuda.py tests/test_triton_kernels.py -k "not under_interpreter" \
     --junitxml "$OUT_DIR/pytest_cuda.xml"
 if [ "$DRY" = "1" ]; then  # here the kernel tests need the interpreter (a subprocess of this test)
@@ -97,8 +100,8 @@ if [ "$DRY" = "1" ]; then
     step triton_kernels 180 "$OUT_DIR/triton_kernels.log" -- "$PY" benchmarks/triton_kernels.py --device cpu --quick \
         --json "$OUT_DIR/triton_kernels.json"
 else
-    step triton_kernels 240 "$OUT_DIR/triton_kernels.log" -- "$PY" benchmarks/triton_kernels.py --device cuda \
-        --presets tiny,small,base --json "$OUT_DIR/triton_kernels.json"
+    step triton_kernels 120 "$OUT_DIR/triton_kernels.log" -- "$PY" benchmarks/triton_kernels.py --device cuda \
+        --presets tiny,small --widths 128 --json "$OUT_DIR/triton_kernels.json"
 fi
 
 # 4. Gemini capacity on the CUDA tier
@@ -106,21 +109,65 @@ if [ "$DRY" = "1" ]; then
     step gemini_capacity 120 "$OUT_DIR/gemini_capacity.log" -- "$PY" benchmarks/gemini_capacity.py --quick \
         --device cpu --out "$OUT_DIR/gemini_capacity_cpu.json"
 else
-    step gemini_capacity 120 "$OUT_DIR/gemini_capacity.log" -- "$PY" benchmarks/gemini_capacity.py --device cuda \
+    step gemini_capacity 60 "$OUT_DIR/gemini_capacity.log" -- "$PY" benchmarks/gemini_capacity.py --device cuda \
         --budget-mib 2048 --d 4096 --batch 2048 --steps 4 --threads 8 --out "$OUT_DIR/gemini_capacity_cuda.json"
 fi
 
-# 5. pretraining with the time left
+# 5. pretraining with the time left: `small` from scratch and, when GPU_RUN_INIT names an export
+#    directory, that model continued beside it on the same GPU (two processes share the card; the
+#    data workers are the usual bottleneck). GPU_RUN_ARGS is appended to both runs' flags,
+#    GPU_RUN_INIT_ARGS to the continued one's; GPU_RUN_WORKERS data workers each (default 6). Each
+#    run's --steps is sized from step 3's measured train step and the workers' episode rate, so its
+#    cosine schedule ends inside the budget.
 LEFT=$(( TOTAL - ($(date +%s) - START) - 60 ))
+WORKERS="${GPU_RUN_WORKERS:-6}"
+# plan_steps PRESET BLOCKS SECONDS CELLS_PER_BATCH SHARERS: optimizer steps that fit SECONDS
+plan_steps() {
+    "$PY" - "$OUT_DIR/triton_kernels.json" "$@" "$WORKERS" <<'EOF'
+import json, sys
+path, preset = sys.argv[1], sys.argv[2]
+blocks, seconds, cells, sharers, workers = map(float, sys.argv[3:])
+data_rate = workers * 150e3  # cells/s: one worker builds ~0.2M cells/s of knn-linear episodes (CPU, measured)
+try:
+    bench = json.load(open(path))["train_step_bf16"]
+    shape, ms = bench["shape"], bench["presets"][preset]["triton"]["ms_per_step"]
+    from tabfm.model import ModelConfig
+    per_block = shape["tables"] * shape["rows"] * shape["cols"] / (ms * 1e-3) * ModelConfig.preset(preset).n_layers
+    gpu_rate = per_block / blocks / sharers  # the card's share of this run
+except (OSError, KeyError, ValueError, TypeError):
+    gpu_rate = data_rate  # no measurement: the data rate alone
+print(max(100, min(20000, int(0.7 * seconds * min(gpu_rate, data_rate) / cells))))
+EOF
+}
 if [ "$DRY" = "1" ]; then
     step pretrain 240 "$OUT_DIR/pretrain.log" -- "$PY" -m tabfm.cli pretrain --preset smoke --precision bf16 \
         --device cpu --steps 6 --eval-every 3 --eval-batches 1 --no-sklearn-eval --no-progress --threads 1 \
         --max-minutes 2 --out "$OUT_DIR/smoke"
+    echo "== plan_steps (rehearsal): tiny x4 blocks, 60 s -> $(plan_steps tiny 4 60 32768 1) steps"
 elif [ "$LEFT" -ge 90 ]; then
-    MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 30) / 60 }')
+    MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 40) / 60 }')
+    RUN_SECONDS=$(( LEFT - 40 - 30 ))  # minus the start-up of the data workers and the store
+    SHARERS=1
+    [ -n "${GPU_RUN_INIT:-}" ] && SHARERS=2
+    CELLS=32768  # pretrain-classes' cells per batch
+    COMMON=(--precision bf16 --device cuda --max-minutes "$MIN" --no-sklearn-eval --no-progress --workers "$WORKERS"
+            --stream pretrain-classes --context-features knn-linear --eval-every 500 --ckpt-every 500)
+    # shellcheck disable=SC2206
+    EXTRA=(${GPU_RUN_ARGS:-})
+    if [ -n "${GPU_RUN_INIT:-}" ]; then
+        BLOCKS=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['n_layers'])" "$GPU_RUN_INIT/config.json")
+        INIT_STEPS=$(plan_steps tiny "$BLOCKS" "$RUN_SECONDS" "$CELLS" "$SHARERS")
+        # shellcheck disable=SC2206
+        INIT_EXTRA=(${GPU_RUN_INIT_ARGS:-})
+        step pretrain_init $(( LEFT + 30 )) "$OUT_DIR/pretrain_init.log" -- "$PY" -m tabfm.cli pretrain \
+            --n-layers "$BLOCKS" --init "$GPU_RUN_INIT" --steps "$INIT_STEPS" "${COMMON[@]}" "${EXTRA[@]}" \
+            "${INIT_EXTRA[@]}" --out "$OUT_DIR/init" &
+    fi
+    SMALL_STEPS=$(plan_steps small 10 "$RUN_SECONDS" "$CELLS" "$SHARERS")
     step pretrain $(( LEFT + 30 )) "$OUT_DIR/pretrain.log" -- "$PY" -m tabfm.cli pretrain --preset small \
-        --precision bf16 --device cuda --max-minutes "$MIN" --no-sklearn-eval --no-progress --out "$OUT_DIR/small"
-    if [ "$(tail -n1 "$STEPS_FILE" | cut -f2)" != "0" ]; then  # failed (not only slow): once more on torch's ops
+        --steps "$SMALL_STEPS" --warmup-steps $(( SMALL_STEPS / 10 )) "${COMMON[@]}" "${EXTRA[@]}" --out "$OUT_DIR/small"
+    wait
+    if [ "$(grep -P '^pretrain\t' "$STEPS_FILE" | cut -f2)" != "0" ]; then  # failed: once more on torch's ops
         LEFT=$(( TOTAL - ($(date +%s) - START) - 60 ))
         if [ "$LEFT" -ge 90 ]; then
             MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 30) / 60 }')
@@ -152,7 +199,7 @@ for name in ("versions.json", "triton_kernels.json", "gemini_capacity_cuda.json"
             summary[name.removesuffix(".json")] = json.loads(p.read_text())
         except ValueError as err:
             summary[name.removesuffix(".json")] = f"unreadable: {err}"
-for run in ("small", "small-torch-ops", "smoke"):
+for run in ("small", "init", "small-torch-ops", "smoke"):
     export = out / run / "export"
     if export.exists():
         summary.setdefault("pretrain_export", []).extend(

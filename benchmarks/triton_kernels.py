@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small shapes, few repetitions (smoke)")
     ap.add_argument("--no-model", action="store_true", help="skip the train-step comparison (CUDA)")
     ap.add_argument("--presets", default="tiny,small,base")
+    ap.add_argument("--widths", default=None,
+                    help="comma-separated model widths of the CUDA kernel cases (default 96,128,192: each costs a "
+                         "torch.compile)")
     ap.add_argument("--json", default=None, help="write the results here")
     return ap.parse_args(argv)
 
@@ -98,17 +101,17 @@ def _logprob_case(rows, k, dtype, device):
         (lambda z: (F.log_softmax(z, -1).gather(-1, t[:, None])[:, 0],)), rows * k * 4 + rows * 12
 
 
-def cases(device: str, quick: bool, dtypes) -> list[tuple]:
+def cases(device: str, quick: bool, dtypes, widths: tuple[int, ...] | None = None) -> list[tuple]:
     """(name, dtype, leaves-builder args) for every kernel and shape."""
     out = []
     if device == "cpu":
-        shapes = {"rows": 257, "widths": (96, 130)}
+        shapes = {"rows": 257, "widths": widths or (96, 130)}
     else:
-        shapes = {"rows": 4096 if quick else 32768, "widths": (96, 128, 192)}
+        shapes = {"rows": 4096 if quick else 32768, "widths": widths or (96, 128, 192)}
     rows = shapes["rows"]
     for dtype in dtypes:
         # on CUDA fp32 at one width only: each case costs a torch.compile
-        widths = shapes["widths"] if device == "cpu" or dtype != torch.float32 else (128,)
+        widths = shapes["widths"] if device == "cpu" or dtype != torch.float32 else shapes["widths"][:1]
         for d in widths:
             out.append((f"add_rms_norm rows={rows} d={d}", dtype, _norm_case, (rows, d, dtype, device, True)))
             out.append((f"rms_norm rows={rows} d={d}", dtype, _norm_case, (rows, d, dtype, device, False)))
@@ -248,24 +251,28 @@ def main(args: argparse.Namespace) -> dict:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     dtypes = [torch.float32] if device == "cpu" else [torch.float32, torch.bfloat16]
-    rows = []
+    widths = tuple(int(w) for w in args.widths.split(",")) if args.widths else None
+    result = {"info": info, "kernels": [], "partial": True}
     started = time.time()
-    for name, dtype, builder, bargs in cases(device, args.quick, dtypes):
+    todo = cases(device, args.quick, dtypes, widths)
+    for name, dtype, builder, bargs in todo:  # correctness first: seconds, and it survives a timeout
         row = check(name, dtype, builder, bargs)
-        if device == "cuda":
-            time_case(row, builder, bargs, args.quick)
-            log(f"{name} {row['dtype']}: err out {row['max_rel_err_out']:.1e} grad {row['max_rel_err_grad']:.1e}; "
-                f"fwd {row['triton_fwd_ms']:.3f} ms ({row['triton_fwd_gbps']:.0f} GB/s) vs eager "
-                f"{row['eager_fwd_ms']:.3f} / compile {row['compile_fwd_ms']:.3f}; fwd+bwd {row['triton_fwd_bwd_ms']:.3f}"
-                f" vs {row['eager_fwd_bwd_ms']:.3f} / {row['compile_fwd_bwd_ms']:.3f}")
-        else:
-            log(f"{name} {row['dtype']} (interpreter): max rel err out {row['max_rel_err_out']:.1e}, "
-                f"grad {row['max_rel_err_grad']:.1e}")
-        rows.append(row)
-        _write(args.json, {"info": info, "kernels": rows, "partial": True})  # survives a timeout
-    result = {"info": info, "kernels": rows}
-    if device == "cuda" and not args.no_model:
+        log(f"{name} {row['dtype']}{' (interpreter)' if device == 'cpu' else ''}: max rel err out "
+            f"{row['max_rel_err_out']:.1e}, grad {row['max_rel_err_grad']:.1e}")
+        result["kernels"].append(row)
+    _write(args.json, result)
+    if device == "cuda" and not args.no_model:  # before the kernel timings: each of those costs a compile
         result["train_step_bf16"] = train_steps(args.presets.split(","), args.quick, log)
+        _write(args.json, result)
+    if device == "cuda":
+        for row, (name, _, builder, bargs) in zip(result["kernels"], todo):
+            time_case(row, builder, bargs, args.quick)
+            log(f"{name} {row['dtype']}: fwd {row['triton_fwd_ms']:.3f} ms ({row['triton_fwd_gbps']:.0f} GB/s) vs "
+                f"eager {row['eager_fwd_ms']:.3f} / compile {row['compile_fwd_ms']:.3f}; fwd+bwd "
+                f"{row['triton_fwd_bwd_ms']:.3f} vs {row['eager_fwd_bwd_ms']:.3f} / {row['compile_fwd_bwd_ms']:.3f}")
+            _write(args.json, result)
+    result.pop("partial")
+    rows = result["kernels"]
     bad = [r["kernel"] for r in rows if r["dtype"] == "float32" and max(r["max_rel_err_out"], r["max_rel_err_grad"]) > 1e-4]
     result["fp32_ok"] = not bad
     result["seconds"] = time.time() - started
