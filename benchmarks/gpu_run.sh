@@ -4,6 +4,9 @@
 #
 #   bash benchmarks/gpu_run.sh                 # on the GPU machine
 #   GPU_RUN_DRY=1 bash benchmarks/gpu_run.sh   # rehearsal on CPU: tiny sizes, interpreter, minutes
+#   GPU_RUN_PACK="$OUT" OUT=/tmp/g GPU_RUN_SECONDS=540 GPU_RUN_INIT=runs/x/export \
+#       GPU_RUN_ARGS="--data runs/real-corpus --data-share 0.25" GPU_RUN_INIT_ARGS="--lr 1e-4 --warmup-steps 30" \
+#       PYTHON=python3 bash benchmarks/gpu_run.sh   # through the device tool (BENCHMARKS.md, "The GPU run")
 #
 # Steps (each bounded by `timeout`; a failing step is logged in summary.json and the script goes on):
 #  1. versions.json (python, torch, triton, CUDA, GPU) and nvidia-smi.txt;
@@ -21,8 +24,8 @@
 #     the export): `tabfm pretrain --preset small` from scratch on pretrain-classes with the
 #     knn-linear columns, bf16, into $OUT/small, and beside it, when GPU_RUN_INIT names an export,
 #     that model continued into $OUT/init (see step 5 for GPU_RUN_ARGS / GPU_RUN_INIT_ARGS); both
-#     checkpoint and export on expiry (dry: --preset smoke, a few steps); if the small run fails,
-#     once more with TABFM_TRITON=0 (torch's ops) into $OUT/small-torch-ops;
+#     checkpoint and export on expiry (dry: --preset smoke, a few steps), on torch's ops (the
+#     Triton kernels are opt-in: TABFM_TRITON=1);
 #  6. summary.json: each step's exit status and seconds, and the kernel/train-step results.
 # Exit status: 0 if every step passed.
 set -uo pipefail
@@ -114,8 +117,8 @@ else
 fi
 
 # 5. pretraining with the time left: `small` from scratch and, when GPU_RUN_INIT names an export
-#    directory, that model continued beside it on the same GPU (two processes share the card; the
-#    data workers are the usual bottleneck). GPU_RUN_ARGS is appended to both runs' flags,
+#    directory, that model continued beside it on the same GPU (two processes share the card, which
+#    the first run's tiny / small models kept far from busy). GPU_RUN_ARGS is appended to both runs' flags,
 #    GPU_RUN_INIT_ARGS to the continued one's; GPU_RUN_WORKERS data workers each (default 6). Each
 #    run's --steps is sized from step 3's measured train step and the workers' episode rate, so its
 #    cosine schedule ends inside the budget.
@@ -124,13 +127,16 @@ WORKERS="${GPU_RUN_WORKERS:-6}"
 # plan_steps PRESET BLOCKS SECONDS CELLS_PER_BATCH SHARERS: optimizer steps that fit SECONDS
 plan_steps() {
     "$PY" - "$OUT_DIR/triton_kernels.json" "$@" "$WORKERS" <<'EOF'
-import json, sys
+import json, os, sys
 path, preset = sys.argv[1], sys.argv[2]
 blocks, seconds, cells, sharers, workers = map(float, sys.argv[3:])
-data_rate = workers * 150e3  # cells/s: one worker builds ~0.2M cells/s of knn-linear episodes (CPU, measured)
+# cells/s a run reaches whatever the card does: one worker builds ~0.2M cells/s of knn-linear episodes
+# (CPU, measured), but the first H200 run (2026-12-04) trained at 55-100k cells/s with 6 or 14 workers
+# alike (cause not found yet: the log's `data N%` says whether the loader is it)
+data_rate = min(workers * 150e3, float(os.environ.get("GPU_RUN_CELLS_PER_S", 80e3)))
 try:
     bench = json.load(open(path))["train_step_bf16"]
-    shape, ms = bench["shape"], bench["presets"][preset]["triton"]["ms_per_step"]
+    shape, ms = bench["shape"], bench["presets"][preset]["torch"]["ms_per_step"]  # torch's ops: the default
     from tabfm.model import ModelConfig
     per_block = shape["tables"] * shape["rows"] * shape["cols"] / (ms * 1e-3) * ModelConfig.preset(preset).n_layers
     gpu_rate = per_block / blocks / sharers  # the card's share of this run
@@ -143,7 +149,9 @@ if [ "$DRY" = "1" ]; then
     step pretrain 240 "$OUT_DIR/pretrain.log" -- "$PY" -m tabfm.cli pretrain --preset smoke --precision bf16 \
         --device cpu --steps 6 --eval-every 3 --eval-batches 1 --no-sklearn-eval --no-progress --threads 1 \
         --max-minutes 2 --out "$OUT_DIR/smoke"
-    echo "== plan_steps (rehearsal): tiny x4 blocks, 60 s -> $(plan_steps tiny 4 60 32768 1) steps"
+    echo "== plan_steps (rehearsal): tiny x4 blocks, 60 s -> $(plan_steps tiny 4 60 32768 1) steps; blocks of" \
+        "tabfm-tiny-cf: $("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['model']['n_layers'])" \
+        tabfm/weights/tabfm-tiny-cf/config.json)"
 elif [ "$LEFT" -ge 90 ]; then
     MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 40) / 60 }')
     RUN_SECONDS=$(( LEFT - 40 - 30 ))  # minus the start-up of the data workers and the store
@@ -155,7 +163,8 @@ elif [ "$LEFT" -ge 90 ]; then
     # shellcheck disable=SC2206
     EXTRA=(${GPU_RUN_ARGS:-})
     if [ -n "${GPU_RUN_INIT:-}" ]; then
-        BLOCKS=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['n_layers'])" "$GPU_RUN_INIT/config.json")
+        BLOCKS=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['model']['n_layers'])" \
+            "$GPU_RUN_INIT/config.json")
         INIT_STEPS=$(plan_steps tiny "$BLOCKS" "$RUN_SECONDS" "$CELLS" "$SHARERS")
         # shellcheck disable=SC2206
         INIT_EXTRA=(${GPU_RUN_INIT_ARGS:-})
@@ -167,15 +176,6 @@ elif [ "$LEFT" -ge 90 ]; then
     step pretrain $(( LEFT + 30 )) "$OUT_DIR/pretrain.log" -- "$PY" -m tabfm.cli pretrain --preset small \
         --steps "$SMALL_STEPS" --warmup-steps $(( SMALL_STEPS / 10 )) "${COMMON[@]}" "${EXTRA[@]}" --out "$OUT_DIR/small"
     wait
-    if [ "$(grep -P '^pretrain\t' "$STEPS_FILE" | cut -f2)" != "0" ]; then  # failed: once more on torch's ops
-        LEFT=$(( TOTAL - ($(date +%s) - START) - 60 ))
-        if [ "$LEFT" -ge 90 ]; then
-            MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 30) / 60 }')
-            step pretrain_torch_ops $(( LEFT + 30 )) "$OUT_DIR/pretrain_torch_ops.log" -- env TABFM_TRITON=0 "$PY" -m tabfm.cli \
-                pretrain --preset small --precision bf16 --device cuda --max-minutes "$MIN" --no-sklearn-eval \
-                --no-progress --out "$OUT_DIR/small-torch-ops"
-        fi
-    fi
 else
     echo "== pretrain: skipped, only ${LEFT}s left" | tee "$OUT_DIR/pretrain.log"
     printf 'pretrain\tskipped\t0\t%s\n' "$OUT_DIR/pretrain.log" >> "$STEPS_FILE"
@@ -199,7 +199,7 @@ for name in ("versions.json", "triton_kernels.json", "gemini_capacity_cuda.json"
             summary[name.removesuffix(".json")] = json.loads(p.read_text())
         except ValueError as err:
             summary[name.removesuffix(".json")] = f"unreadable: {err}"
-for run in ("small", "init", "small-torch-ops", "smoke"):
+for run in ("small", "init", "smoke"):
     export = out / run / "export"
     if export.exists():
         summary.setdefault("pretrain_export", []).extend(
@@ -209,3 +209,17 @@ print(f"== summary: ok={summary['ok']} in {summary['seconds']} s; " +
       ", ".join(f"{k}={v['exit']} ({v['seconds']} s)" for k, v in steps.items()) + f"; wrote {out / 'summary.json'}")
 sys.exit(0 if summary["ok"] else 1)
 EOF
+RC=$?
+# 7. with GPU_RUN_PACK=DIR (the device tool's $OUT, which takes back at most 8 files, 2 folders deep):
+#    the logs and JSON in DIR/gpu_run.tgz (no checkpoints) and each run's export in DIR/<run>/
+if [ -n "${GPU_RUN_PACK:-}" ]; then
+    mkdir -p "$GPU_RUN_PACK"
+    tar czf "$GPU_RUN_PACK/gpu_run.tgz" -C "$OUT_DIR" --exclude=checkpoints --exclude=export .
+    for run in small init smoke; do
+        if [ -d "$OUT_DIR/$run/export" ]; then
+            mkdir -p "$GPU_RUN_PACK/$run" && cp "$OUT_DIR/$run/export/"* "$GPU_RUN_PACK/$run/"
+        fi
+    done
+    echo "== packed into $GPU_RUN_PACK: $(cd "$GPU_RUN_PACK" && find . -type f | sort | tr '\n' ' ')"
+fi
+exit $RC

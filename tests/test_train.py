@@ -1,6 +1,7 @@
 """Pretraining: the loss falls, a crashed run resumes to the uninterrupted result, CLI and config errors."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -178,3 +179,32 @@ def test_muon_adamw_equals_torch_muon_plus_adamw():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
     state = opt.state_dict()
     assert set(state) == {"state", "param_groups"} and any(g["muon"] for g in state["param_groups"])
+
+
+def test_the_log_shows_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypatch, capsys):
+    """`data N%` in the log (and `data_wait` in metrics.jsonl): the share of the window's wall time
+    spent waiting for the next batch. A loader that sleeps before each batch shows as waiting;
+    the same run without the sleep waits less."""
+    import time
+
+    from tabfm.synth.dataset import SynthLoader
+    import tabfm.train.pretrain as pretrain_module
+
+    class SlowLoader(SynthLoader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                time.sleep(0.5)
+                yield batch
+
+    def waits(out, loader) -> list[float]:
+        monkeypatch.setattr(pretrain_module, "SynthLoader", loader)
+        pretrain(smoke(steps=4, log_every=2, eval_batches=0, ckpt_every=100), out, progress=False)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["data_wait"] for r in records if r["kind"] == "train"]
+
+    slow, plain = waits(tmp_path / "slow", SlowLoader), waits(tmp_path / "plain", SynthLoader)
+    assert len(slow) == len(plain) == 2 and all(0.0 <= w <= 1.0 for w in slow + plain)
+    assert min(slow) > 0.5 and min(slow) > max(plain), (slow, plain)
+    main(["pretrain", "--preset", "smoke", "--steps", "2", "--log-every", "1", "--no-progress",
+          "--out", str(tmp_path / "cli")])
+    assert re.search(r"step 2/2 .* data \d+%", capsys.readouterr().out)

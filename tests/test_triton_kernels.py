@@ -2,10 +2,10 @@
 their dispatch.
 
 Here (no GPU) the kernels run under triton's interpreter (``TRITON_INTERPRET=1``) on fp32 CPU
-tensors, switched on for CPU by the test-only ``TABFM_TRITON_CPU=1``. triton reads
+tensors, switched on (``TABFM_TRITON=1``) for CPU by the test-only ``TABFM_TRITON_CPU=1``. triton reads
 ``TRITON_INTERPRET`` once, when it is imported, so `test_kernels_under_interpreter` runs this
 file's kernel tests in a subprocess with both variables set (nothing leaks into other test
-files); ``TRITON_INTERPRET=1 TABFM_TRITON_CPU=1 pytest tests/test_triton_kernels.py`` runs
+files); ``TRITON_INTERPRET=1 TABFM_TRITON_CPU=1 TABFM_TRITON=1 pytest tests/test_triton_kernels.py`` runs
 them directly. On a CUDA machine the `cuda`-named tests run the compiled kernels on the GPU.
 
 Tolerances (fp32, interpret mode; measured maxima ~1e-6 relative): values and gradients
@@ -54,7 +54,7 @@ def kernels_cpu(monkeypatch):
     if not INTERPRET:
         pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_kernels_under_interpreter")
     monkeypatch.setenv(dispatch.CPU_TEST_SWITCH, "1")
-    monkeypatch.delenv(dispatch.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(dispatch.ENV_SWITCH, "1")
     dispatch.reset()
     yield _modules()
     dispatch.reset()
@@ -65,7 +65,7 @@ def kernels_cuda(monkeypatch):
     if not CUDA or INTERPRET:
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)" if not CUDA else
                     "compiled kernels only without TRITON_INTERPRET")
-    monkeypatch.delenv(dispatch.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(dispatch.ENV_SWITCH, "1")
     dispatch.reset()
     yield _modules()
     dispatch.reset()
@@ -82,8 +82,7 @@ def test_kernels_under_interpreter():
     """This file's kernel tests, in a subprocess under triton's interpreter (fp32, CPU tensors)."""
     if INTERPRET:
         pytest.skip("already under the interpreter")
-    env = {**os.environ, "TRITON_INTERPRET": "1", dispatch.CPU_TEST_SWITCH: "1"}
-    env.pop(dispatch.ENV_SWITCH, None)
+    env = {**os.environ, "TRITON_INTERPRET": "1", dispatch.CPU_TEST_SWITCH: "1", dispatch.ENV_SWITCH: "1"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
@@ -275,7 +274,7 @@ def test_model_with_kernels_matches_torch_path(kernels_cpu):
         torch.manual_seed(1)
         out_t, loss_t, grads_t = _step(model, batch)
     finally:
-        os.environ.pop(dispatch.ENV_SWITCH)
+        os.environ[dispatch.ENV_SWITCH] = "1"
         dispatch.reset()
     torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_k.num_logits, out_t.num_logits, rtol=1e-4, atol=1e-4)
@@ -309,6 +308,7 @@ def test_dispatch_picks_torch_on_cpu_by_default(env_guard, monkeypatch):
 
 
 def test_dispatch_needs_interpret_mode_for_cpu(env_guard, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_SWITCH, "1")
     monkeypatch.setenv(dispatch.CPU_TEST_SWITCH, "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     dispatch.reset()
@@ -318,14 +318,24 @@ def test_dispatch_needs_interpret_mode_for_cpu(env_guard, monkeypatch):
         dispatch.reset()
 
 
-def test_dispatch_honours_the_switch(env_guard, monkeypatch):
-    monkeypatch.setenv(dispatch.ENV_SWITCH, "0")
+@pytest.mark.parametrize("switch", [None, "0", "yes"])
+def test_kernels_are_opt_in(env_guard, monkeypatch, switch):
+    """Only TABFM_TRITON=1 turns them on (they lost to torch's ops on an H200), even where every
+    other condition holds."""
+    if switch is None:
+        monkeypatch.delenv(dispatch.ENV_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(dispatch.ENV_SWITCH, switch)
     monkeypatch.setenv(dispatch.CPU_TEST_SWITCH, "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     dispatch.reset()
     try:
-        assert not dispatch.enabled() and dispatch.reason() == "TABFM_TRITON=0"
+        assert not dispatch.enabled() and dispatch.reason().startswith("TABFM_TRITON is not 1")
         assert not triton_kernels.use(torch.randn(3, 4))
+        with warnings.catch_warnings(record=True) as caught:  # not asked for: nothing to warn about
+            warnings.simplefilter("always")
+            assert not dispatch._on_cuda()
+        assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
     finally:
         dispatch.reset()
 
@@ -341,9 +351,9 @@ def test_dispatch_refuses_dtensors_and_mixed_devices(kernels_cpu):
 
 
 def test_missing_triton_on_cuda_warns_once(env_guard, monkeypatch):
-    """Where triton does not import, CUDA tensors take torch's ops, said once."""
+    """Asked for where triton does not import, CUDA tensors take torch's ops, said once."""
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    monkeypatch.delenv(dispatch.ENV_SWITCH, raising=False)
+    monkeypatch.setenv(dispatch.ENV_SWITCH, "1")
     dispatch.reset()
     try:
         assert not dispatch.enabled() and "triton does not import" in dispatch.reason()
@@ -415,7 +425,7 @@ def test_cuda_model_uses_kernels_and_matches(kernels_cuda):
         torch.manual_seed(1)
         _, loss_t, grads_t = _step(model, batch)
     finally:
-        os.environ.pop(dispatch.ENV_SWITCH)
+        os.environ[dispatch.ENV_SWITCH] = "1"
         dispatch.reset()
     torch.testing.assert_close(loss_k, loss_t, rtol=1e-4, atol=1e-4)
     for name in grads_t:

@@ -6,10 +6,10 @@
 - `target_log_prob` (`cross_entropy.py`): log-softmax over classes / bins gathered at the
   target, without keeping the softmax; not wired into the loss yet.
 
-`dispatch.use(*tensors)` says whether a call runs them: on CUDA when triton imports and
-``TABFM_TRITON`` is not ``0`` (torch's ops otherwise, with a one-time warning where triton
-is missing); never on CPU, except for interpret-mode tests (``TRITON_INTERPRET=1`` and
-``TABFM_TRITON_CPU=1``). Importing this package does not import triton; the wrappers below
+`dispatch.use(*tensors)` says whether a call runs them: opt-in with ``TABFM_TRITON=1`` (on an
+H200 they were slower than torch's eager ops; BENCHMARKS.md), then on CUDA when triton imports
+(torch's ops otherwise, with a one-time warning where triton is missing); never on CPU, except
+for interpret-mode tests (``TRITON_INTERPRET=1`` and ``TABFM_TRITON_CPU=1``). Importing this package does not import triton; the wrappers below
 import their kernel module on first call.
 """
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """When the model runs a Triton kernel instead of torch's op: decided once per process.
 
+- Opt-in: only with ``TABFM_TRITON=1``. Measured on an H200 (BENCHMARKS.md, "The GPU run"),
+  the kernels made a bf16 train step of tiny / small 1.4-1.5x slower than torch's eager ops,
+  so torch's ops are the default until a kernel beats them.
 - Only for plain (not DTensor) tensors on CUDA, outside `torch.compile` (inductor fuses these
-  ops itself), when `triton` imports and ``TABFM_TRITON`` is not ``0``.
-- On CUDA without a usable triton the torch op runs, said once in a `RuntimeWarning`;
-  ``TABFM_TRITON=0`` turns the kernels off without a warning (it was asked for).
+  ops itself), when `triton` imports.
+- Asked for on CUDA without a usable triton, the torch op runs, said once in a `RuntimeWarning`.
 - CPU tensors always take torch's ops, with one exception for tests: ``TABFM_TRITON_CPU=1``
-  together with ``TRITON_INTERPRET=1`` (triton's interpreter, fp32/fp16 only) routes CPU
-  tensors to the kernels too. Both must be set before triton is imported.
+  together with ``TRITON_INTERPRET=1`` (triton's interpreter, fp32/fp16 only) and
+  ``TABFM_TRITON=1`` routes CPU tensors to the kernels too. All must be set before triton is
+  imported.
 
 `decision()` caches the choice; `reset()` forgets it (tests change the environment).
 """
@@ -26,8 +29,8 @@ _state: dict[str, object] = {}  # "decision": (on, cpu_too, reason), "cpu_switch
 
 
 def _decide() -> tuple[bool, bool, str]:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False, False, f"{ENV_SWITCH}=0"
+    if os.environ.get(ENV_SWITCH, "0") != "1":
+        return False, False, f"{ENV_SWITCH} is not 1 (the default: torch's ops)"
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -80,7 +83,7 @@ def use(*tensors: torch.Tensor | None) -> bool:
 
 
 def _on_cuda() -> bool:
-    """The choice for CUDA tensors; warns once where triton is missing (not for TABFM_TRITON=0)."""
+    """The choice for CUDA tensors; warns once where the kernels were asked for and triton is missing."""
     on, _, why = decision()
     if not on and not why.startswith(ENV_SWITCH) and not _state.get("warned"):
         _state["warned"] = True

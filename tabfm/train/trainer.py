@@ -339,7 +339,7 @@ class Trainer:
         deadline = None if self.max_minutes is None else start + 60.0 * self.max_minutes
         batches = iter(self.data)
         window: dict[str, list[float]] = {}
-        window_cells, window_t0 = 0, time.perf_counter()
+        window_cells, window_t0, window_wait = 0, time.perf_counter(), 0.0
         last: dict[str, float] = {}
         evals: dict[str, float] = {}
         stopped = "steps"
@@ -354,7 +354,9 @@ class Trainer:
             step_loss = 0.0
             for i in range(self.grad_accum):
                 self._seed_micro_batch(i)
+                t0 = time.perf_counter()
                 batch = next(batches).to(self.booster.device)
+                window_wait += time.perf_counter() - t0  # waiting for the data (loader, host-to-device copy)
                 cells = batch.num_cells
                 for k, v in self._micro_step(batch, last=i == self.grad_accum - 1).items():
                     window.setdefault(k, []).append(v)
@@ -373,13 +375,16 @@ class Trainer:
                 dt = max(time.perf_counter() - window_t0, 1e-9)
                 last = self._window_means(window)
                 last.update(lr=self.optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm),
-                            cells_per_s=window_cells / dt, elapsed_s=time.perf_counter() - start)
+                            cells_per_s=window_cells / dt, data_wait=min(1.0, window_wait / dt),
+                            elapsed_s=time.perf_counter() - start)
                 self.record("train", last)
-                bar.set_postfix(loss=f"{last['loss']:.3f}", cells_s=f"{last['cells_per_s']:.0f}")
+                bar.set_postfix(loss=f"{last['loss']:.3f}", cells_s=f"{last['cells_per_s']:.0f}",
+                                data=f"{last['data_wait']:.0%}")
                 if self.plain_log:
                     print(f"step {self.step}/{self.steps}  loss {last['loss']:.4f}  lr {last['lr']:.3g}  "
-                          f"cells/s {last['cells_per_s']:.0f}  elapsed {last['elapsed_s'] / 60:.1f} min", flush=True)
-                window, window_cells, window_t0 = {}, 0, time.perf_counter()
+                          f"cells/s {last['cells_per_s']:.0f}  data {last['data_wait']:.0%}  "
+                          f"elapsed {last['elapsed_s'] / 60:.1f} min", flush=True)
+                window, window_cells, window_t0, window_wait = {}, 0, time.perf_counter(), 0.0
             if self.evaluators and self.step % self.eval_every == 0:
                 evals = self.evaluate()
             if self.step % self.ckpt_every == 0:
