@@ -17,7 +17,9 @@ each preset's width; GELU at the MLP width):
 - on CUDA, unless --no-model: a bf16-autocast train step (forward, loss, backward, AdamW) of
   each preset with the kernels on and with ``TABFM_TRITON=0``: ms per step, cells/s and MFU
   against a measured bf16 matmul peak (8192^3 `torch.matmul`), FLOPs as model_speed.py counts
-  them (blocks only).
+  them (blocks only); then, torch's ops, the same step on 16 batches of the pretraining stream
+  (pretrain-classes with the knn-linear columns: variable shapes) - what `tabfm pretrain` runs
+  apart from its data loading.
 
 On CPU (``--device cpu``, e.g. with --quick in the GPU-run rehearsal) the kernels run under
 triton's interpreter (``TRITON_INTERPRET=1``, set by this script before triton is imported) in
@@ -26,6 +28,7 @@ fp32 at small shapes: the correctness table only, nothing is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -194,7 +197,9 @@ def train_steps(presets, quick: bool, log) -> dict:
     batch = ms_mod.make_batch(shape).to("cuda")
     cells = shape.tables * shape.rows * shape.cols
     peak = matmul_peak_tflops(4096 if quick else 8192)
-    out = {"shape": vars(shape) if hasattr(shape, "__dict__") else str(shape), "bf16_matmul_peak_tflops": peak, "presets": {}}
+    stream = stream_batches(2 if quick else 16)
+    out = {"shape": vars(shape) if hasattr(shape, "__dict__") else str(shape), "bf16_matmul_peak_tflops": peak, "presets": {},
+           "stream": f"{STREAM}, context features {STREAM_FEATURES}, {len(stream)} batches"}
     for name in presets:
         cfg = ModelConfig.preset(name)
         torch.manual_seed(0)
@@ -220,14 +225,59 @@ def train_steps(presets, quick: bool, log) -> dict:
                           "mfu": flops / (ms * 1e-3) / (peak * 1e12)}
             log(f"train step {name} bf16 [{label}]: {ms:.2f} ms, {res[label]['cells_per_s']:.3g} cells/s, "
                 f"MFU {100 * res[label]['mfu']:.1f} %")
+        res["speedup"] = res["torch"]["ms_per_step"] / res["triton"]["ms_per_step"]
+        res["stream"] = stream_steps(name, stream, "cuda", log)  # TABFM_TRITON is still 0: torch's ops
         os.environ["TABFM_TRITON"] = "1"
         dispatch.reset()
-        res["speedup"] = res["torch"]["ms_per_step"] / res["triton"]["ms_per_step"]
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["presets"][name] = res
         del model, opt
         torch.cuda.empty_cache()
     return out
+
+
+STREAM, STREAM_FEATURES = "pretrain-classes", "knn-linear"
+
+
+def stream_batches(n: int, device: str = "cuda") -> list:
+    """n batches of the pretraining stream (the GPU run's `tabfm pretrain` reads these)."""
+    from tabfm.synth.dataset import SynthDataset, SynthLoader
+    from tabfm.synth.stream import StreamConfig
+
+    cfg = dataclasses.replace(StreamConfig.preset(STREAM), context_features=STREAM_FEATURES)
+    it = iter(SynthLoader(SynthDataset(cfg, seed=0), num_workers=0))
+    return [next(it).to(device) for _ in range(n)]
+
+
+def stream_steps(name: str, stream: list, device: str, log) -> dict:
+    """ms per train step and cells/s of preset `name` (with the stream's context features) on the
+    stream's batches: bf16 autocast on CUDA, fp32 on CPU (the rehearsal)."""
+    cfg = dataclasses.replace(ModelConfig.preset(name), context_features=STREAM_FEATURES)
+    torch.manual_seed(0)
+    model = TabFM(cfg).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+
+    def step(b):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss, _ = masked_cell_loss(model(b), b)
+        loss.backward()
+        opt.step()
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for b in stream[:3]:  # warm-up
+        step(b)
+    sync()
+    t0 = time.perf_counter()
+    for b in stream:
+        step(b)
+    sync()
+    sec = (time.perf_counter() - t0) / len(stream)
+    res = {"ms_per_step": 1e3 * sec, "cells_per_s": sum(b.num_cells for b in stream) / len(stream) / sec,
+           "shapes": [list(b.x.shape[:3]) for b in stream]}
+    log(f"train step {name} on {len(stream)} stream batches ({device}, torch's ops): {1e3 * sec:.2f} ms, "
+        f"{res['cells_per_s']:.3g} cells/s")
+    return res
 
 
 # ------------------------------------------------------------------------------ main
@@ -264,6 +314,13 @@ def main(args: argparse.Namespace) -> dict:
     _write(args.json, result)
     if device == "cuda" and not args.no_model:  # before the kernel timings: each of those costs a compile
         result["train_step_bf16"] = train_steps(args.presets.split(","), args.quick, log)
+        _write(args.json, result)
+    if device == "cpu" and not args.no_model:  # the rehearsal: the stream step's code path, torch's ops
+        os.environ["TABFM_TRITON"] = "0"
+        dispatch.reset()
+        result["train_step_stream_cpu"] = stream_steps("tiny", stream_batches(2, "cpu"), "cpu", log)
+        os.environ["TABFM_TRITON"] = "1"
+        dispatch.reset()
         _write(args.json, result)
     if device == "cuda":
         for row, (name, _, builder, bargs) in zip(result["kernels"], todo):
