@@ -277,6 +277,19 @@ def stream_steps(name: str, stream: list, device: str, log) -> dict:
            "shapes": [list(b.x.shape[:3]) for b in stream]}
     log(f"train step {name} on {len(stream)} stream batches ({device}, torch's ops): {1e3 * sec:.2f} ms, "
         f"{res['cells_per_s']:.3g} cells/s")
+    # where a step's time goes: the top ops of a few steps by self CPU time and by device time
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for b in stream[:4]:
+            step(b)
+        sync()
+    events = prof.key_averages()
+    res["profile_cpu"] = events.table(sort_by="self_cpu_time_total", row_limit=15)
+    if device == "cuda":
+        res["profile_cuda"] = events.table(sort_by="self_device_time_total", row_limit=15)
+    log(f"profile of 4 stream steps ({name}), by self CPU time:\n{res['profile_cpu']}")
     return res
 
 
