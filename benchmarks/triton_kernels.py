@@ -287,9 +287,10 @@ def stream_steps(name: str, stream: list, device: str, log) -> dict:
         sync()
     events = prof.key_averages()
     res["profile_cpu"] = events.table(sort_by="self_cpu_time_total", row_limit=15)
+    log(f"profile of 4 stream steps ({name}), by self CPU time:\n{res['profile_cpu']}")
     if device == "cuda":
         res["profile_cuda"] = events.table(sort_by="self_device_time_total", row_limit=15)
-    log(f"profile of 4 stream steps ({name}), by self CPU time:\n{res['profile_cpu']}")
+        log(f"profile of 4 stream steps ({name}), by self device time:\n{res['profile_cuda']}")
     return res
 
 
