@@ -52,10 +52,11 @@ import pandas as pd
 
 from .batch import TableBatch
 from .bucketing import BatchPlan, BucketedTableLoader, BucketedTableSampler, apply_plan, encoded_cols
+from .context_features import ContextFeatureSpec
 from .encode import encode_frame
 from .store import SUFFIX, TableHeader, list_store, read_table
 from .table_episodes import (
-    CLASSIFICATION, IMPUTATION, PREDICTION_TASKS, EpisodeConfig, EpisodeTable, infer_task, pose_episode,
+    CLASSIFICATION, IMPUTATION, PREDICTION_TASKS, REGRESSION, EpisodeConfig, EpisodeTable, infer_task, pose_episode,
 )
 
 STATE_VERSION = 1
@@ -91,12 +92,18 @@ def is_prediction_header(header: TableHeader) -> bool:
     return header.target is not None and header.task != IMPUTATION
 
 
-def planned_width(header: TableHeader, max_columns: int) -> int:
-    """Columns an episode of this table shows at most: encoded features capped at max_columns (+ the target)."""
+def planned_width(header: TableHeader, episodes: EpisodeConfig) -> int:
+    """Columns an episode of this table shows at most: encoded features capped at max_columns, the
+    context-feature columns of a prediction episode (for a class target: as for max_classes classes,
+    since a header does not know how many it has) and the target. Batches are planned with it, so
+    it must not undercount: a run once planned 3 columns for tables whose episodes showed 15, and
+    one batch held 12x the cell budget (17.7 GB, killed for memory)."""
     if not is_prediction_header(header):
-        return max(1, min(encoded_cols(header.kinds), max_columns))
+        return max(1, min(encoded_cols(header.kinds), episodes.max_columns))
     features = [k for c, k in zip(header.columns, header.kinds) if c != header.target]
-    return min(encoded_cols(features), max_columns) + 1
+    spec = ContextFeatureSpec.named(episodes.context_features)
+    extra = 0 if spec is None else spec.width(1 if header.task == REGRESSION else episodes.max_classes - 1)
+    return min(encoded_cols(features), episodes.max_columns) + extra + 1
 
 
 # --------------------------------------------------------------------------- one table
@@ -194,7 +201,7 @@ class StoreEpisodes:
         self.fingerprint = store_fingerprint(self.headers)
         self.episodes = episodes or EpisodeConfig()
         self.seed = seed
-        widths = [planned_width(h, self.episodes.max_columns) for h in self.headers]
+        widths = [planned_width(h, self.episodes) for h in self.headers]
         for h, w in zip(self.headers, widths):
             least = w * min(2, h.n_rows)
             if isinstance(cells_per_batch, int) and least > cells_per_batch:

@@ -30,7 +30,6 @@ poses only imputation episodes.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -252,7 +251,9 @@ def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cf
         present = ~np.isnan(x[:, j])
         x[present, j] = rng.permutation(int(card[j]))[x[present, j].astype(np.int64)]
     if table.task == CLASSIFICATION and card[-1] > cfg.max_classes:  # more classes than the head: random groups
-        n_groups = math.ceil(int(card[-1]) / cfg.max_classes)
+        # max_classes groups, as many as the head scores (this was ceil(classes / max_classes): 3 groups
+        # of 25 classes, and over max_classes groups past max_classes^2 classes, which the loss skips)
+        n_groups = cfg.max_classes
         group = np.arange(int(card[-1])) * n_groups // int(card[-1])
         x[:, -1] = group[x[:, -1].astype(np.int64)]
         card[-1] = n_groups

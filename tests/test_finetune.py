@@ -297,10 +297,12 @@ def test_sampler_is_seeded_rank_disjoint_and_shows_tables_as_the_estimators_do()
     assert {t for p in range(20) for t in a.episode_at(p)[1].tasks} == {"classification", "imputation"}
 
 
-def test_more_classes_than_the_head_are_grouped():
+@pytest.mark.parametrize("classes", [9, 17])
+def test_more_classes_than_the_head_are_grouped(classes):
+    """Into max_classes random groups, each of which the head scores (17 classes past 4^2 once gave 5)."""
     cfg = EpisodeConfig(min_rows=8, max_rows=40, cells_per_batch=512, imputation=0.0, max_classes=4)
-    batch = TableEpisodeSampler([episode_table(60, classes=9)], cfg).batch_at(0).validate()
-    assert (batch.cardinality[:, -1] == 3).all() and batch.x[:, :, -1].max() <= 2
+    batch = TableEpisodeSampler([episode_table(60, classes=classes)], cfg).batch_at(0).validate()
+    assert (batch.cardinality[:, -1] == 4).all() and batch.x[:, :, -1].max() <= 3
 
 
 def test_holdout_split_is_stratified_and_keeps_every_class_in_training():

@@ -86,14 +86,21 @@ def take(it, n):
 
 
 # ------------------------------------------------------------------ the data source
-def test_batches_are_valid_episodes_of_one_shape_within_budget(store):
-    src = source(store)
+@pytest.mark.parametrize("features", ["none", "knn-linear"])
+def test_batches_are_valid_episodes_of_one_shape_within_budget(store, features):
+    """Within the cell budget with the context-feature columns too (a 3-column table with many
+    classes shows 3 + 3 per class of them): planned without them, a real run's batch once held
+    12x its budget."""
+    src = StoreEpisodes(store, EpisodeConfig(max_classes=10, context_features=features), **KW)
     assert len(src.headers) == 12 and src.batches_per_epoch >= 6
     seen, tasks = set(), set()
+    widest = 0
     for plan in src.plans(0):
         batch = src.batch(plan).validate()
         b, r, c = batch.shape
-        assert (b, r) == (len(plan.indices), plan.rows) and c >= plan.cols and b * r * c <= KW["cells_per_batch"]
+        assert (b, r) == (len(plan.indices), plan.rows) and b * r * c <= KW["cells_per_batch"], (plan, batch.shape)
+        assert c >= plan.cols if features == "none" else c <= plan.cols  # the class count bounds it from above
+        widest = max(widest, c)
         assert batch.query.any() and batch.context.any()
         for j, i in enumerate(plan.indices):
             seen.add(i)
@@ -101,6 +108,7 @@ def test_batches_are_valid_episodes_of_one_shape_within_budget(store):
             tasks.add("prediction" if bool(q[:, :-1].sum() == 0) and q.any() else "imputation")
     assert seen | set(src.sampler.dropped(0)) == set(range(12))
     assert tasks == {"prediction", "imputation"}
+    assert widest > 30 + (6 if features == "knn-linear" else 0)  # cancer's 30 features + target (+ 2 x 3 columns)
 
 
 def test_encoding_store_tables(store):
