@@ -124,6 +124,10 @@ fi
 #    cosine schedule ends inside the budget.
 LEFT=$(( TOTAL - ($(date +%s) - START) - 60 ))
 WORKERS="${GPU_RUN_WORKERS:-6}"
+# blocks_of EXPORT_DIR: the model's block count, from its config.json
+blocks_of() {
+    "$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['model']['n_layers'])" "$1/config.json"
+}
 # plan_steps PRESET BLOCKS SECONDS CELLS_PER_BATCH SHARERS: optimizer steps that fit SECONDS
 plan_steps() {
     "$PY" - "$OUT_DIR/triton_kernels.json" "$@" "$WORKERS" <<'EOF'
@@ -150,8 +154,7 @@ if [ "$DRY" = "1" ]; then
         --device cpu --steps 6 --eval-every 3 --eval-batches 1 --no-sklearn-eval --no-progress --threads 1 \
         --max-minutes 2 --out "$OUT_DIR/smoke"
     echo "== plan_steps (rehearsal): tiny x4 blocks, 60 s -> $(plan_steps tiny 4 60 32768 1) steps; blocks of" \
-        "tabfm-tiny-cf: $("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['model']['n_layers'])" \
-        tabfm/weights/tabfm-tiny-cf/config.json)"
+        "tabfm-tiny-cf: $(blocks_of tabfm/weights/tabfm-tiny-cf)"
 elif [ "$LEFT" -ge 90 ]; then
     MIN=$(awk -v s="$LEFT" 'BEGIN { printf "%.1f", (s - 40) / 60 }')
     RUN_SECONDS=$(( LEFT - 40 - 30 ))  # minus the start-up of the data workers and the store
@@ -163,8 +166,7 @@ elif [ "$LEFT" -ge 90 ]; then
     # shellcheck disable=SC2206
     EXTRA=(${GPU_RUN_ARGS:-})
     if [ -n "${GPU_RUN_INIT:-}" ]; then
-        BLOCKS=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['model']['n_layers'])" \
-            "$GPU_RUN_INIT/config.json")
+        BLOCKS=$(blocks_of "$GPU_RUN_INIT")
         INIT_STEPS=$(plan_steps tiny "$BLOCKS" "$RUN_SECONDS" "$CELLS" "$SHARERS")
         # shellcheck disable=SC2206
         INIT_EXTRA=(${GPU_RUN_INIT_ARGS:-})

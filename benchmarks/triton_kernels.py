@@ -215,9 +215,8 @@ def train_steps(presets, quick: bool, log) -> dict:
 
         flops = ms_mod.tabfm_flops(cfg, shape)["total"]
         res = {}
-        for label, switch in (("triton", "1"), ("torch", "0")):
-            os.environ["TABFM_TRITON"] = switch
-            dispatch.reset()
+        for label, on in (("triton", True), ("torch", False)):
+            use_kernels(on)
             for _ in range(3):
                 step()
             ms = float(triton.testing.do_bench(step, warmup=10, rep=50 if quick else 300))
@@ -226,9 +225,8 @@ def train_steps(presets, quick: bool, log) -> dict:
             log(f"train step {name} bf16 [{label}]: {ms:.2f} ms, {res[label]['cells_per_s']:.3g} cells/s, "
                 f"MFU {100 * res[label]['mfu']:.1f} %")
         res["speedup"] = res["torch"]["ms_per_step"] / res["triton"]["ms_per_step"]
-        res["stream"] = stream_steps(name, stream, "cuda", log)  # TABFM_TRITON is still 0: torch's ops
-        os.environ["TABFM_TRITON"] = "1"
-        dispatch.reset()
+        res["stream"] = stream_steps(name, stream, "cuda", log)  # the kernels are still off: torch's ops
+        use_kernels(True)
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["presets"][name] = res
         del model, opt
@@ -237,6 +235,12 @@ def train_steps(presets, quick: bool, log) -> dict:
 
 
 STREAM, STREAM_FEATURES = "pretrain-classes", "knn-linear"
+
+
+def use_kernels(on: bool) -> None:
+    """Switch the Triton kernels on or off for what runs next (the dispatch decision is re-made)."""
+    os.environ["TABFM_TRITON"] = "1" if on else "0"
+    dispatch.reset()
 
 
 def stream_batches(n: int, device: str = "cuda") -> list:
@@ -330,11 +334,9 @@ def main(args: argparse.Namespace) -> dict:
         result["train_step_bf16"] = train_steps(args.presets.split(","), args.quick, log)
         _write(args.json, result)
     if device == "cpu" and not args.no_model:  # the rehearsal: the stream step's code path, torch's ops
-        os.environ["TABFM_TRITON"] = "0"
-        dispatch.reset()
+        use_kernels(False)
         result["train_step_stream_cpu"] = stream_steps("tiny", stream_batches(2, "cpu"), "cpu", log)
-        os.environ["TABFM_TRITON"] = "1"
-        dispatch.reset()
+        use_kernels(True)
         _write(args.json, result)
     if device == "cuda":
         for row, (name, _, builder, bargs) in zip(result["kernels"], todo):
