@@ -31,6 +31,10 @@ class PriorConfig:
     # otherwise random shares and value cuts merge small classes and 10-class targets are ~2% of them).
     # 0 (the default) draws nothing extra: the stream of earlier stages is unchanged
     p_equal_class_shares: float = 0.0
+    # P(a classification target is nominal: the argmax of K random linear scores of the target node and
+    # its causal neighbours, plus Gumbel noise, as a multinomial logit draws a class; otherwise one node
+    # is cut at thresholds and its classes are ordered along it). 0 (the default) draws nothing extra
+    p_nominal_classes: float = 0.0
 
     # --- causal graph
     hidden_nodes: tuple[float, float] = (0.25, 1.0)  # unobserved extra SCM nodes, as a fraction of n_cols
@@ -79,7 +83,7 @@ class PriorConfig:
 
 
 _PROBABILITIES = (
-    "p_classification", "p_equal_class_shares", "p_disjoint_subgraphs", "p_tree_node", "p_discretize_node", "p_non_iid",
+    "p_classification", "p_equal_class_shares", "p_nominal_classes", "p_disjoint_subgraphs", "p_tree_node", "p_discretize_node", "p_non_iid",
     "p_warp", "p_quantize", "p_missing", "p_mcar", "p_mar", "p_mnar",
     "p_datetime", "p_text", "p_bool", "p_string_target",
 )

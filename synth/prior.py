@@ -3,7 +3,8 @@
 Pipeline: random DAG -> evaluate the SCM on n_rows iid rows -> pick a target node and
 feature nodes (at least one feature is a direct causal neighbour of the target, so the
 target is learnable) -> make some features categorical, warp and quantise numeric ones
--> cut the target into classes (classification) -> drop feature cells missing.
+-> cut the target into classes, or draw nominal ones from it and its neighbours (classification)
+-> drop feature cells missing.
 The target is the last column and is never missing.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .graph import Dag, sample_dag
 from .mechanisms import DISCRETE, run_scm
 from .postprocess import categorize, compact_codes, kumaraswamy_warp, missing_mask, quantize
 from .table import CLASSIFICATION, REGRESSION, SynthTable
-from .target import make_classes
+from .target import NOMINAL_NODES, make_classes, nominal_classes
 
 
 def _choose_nodes(rng: np.random.Generator, dag: Dag, n_features: int) -> tuple[int, np.ndarray]:
@@ -29,6 +30,12 @@ def _choose_nodes(rng: np.random.Generator, dag: Dag, n_features: int) -> tuple[
         if not set(features.tolist()) & set(near.tolist()):
             features[rng.integers(n_features)] = rng.choice(near)
     return target, features
+
+
+def _nominal_nodes(rng: np.random.Generator, dag: Dag, target: int, features: np.ndarray) -> np.ndarray:
+    """The nodes a nominal target reads: the target node and 1..NOMINAL_NODES - 1 of the feature nodes."""
+    take = int(rng.integers(1, min(len(features), NOMINAL_NODES - 1) + 1)) if len(features) else 0
+    return np.concatenate([[target], rng.choice(features, size=take, replace=False)]).astype(np.int64)
 
 
 def _check_shape(n_rows: int, n_cols: int) -> None:
@@ -79,8 +86,11 @@ def sample_table(cfg: PriorConfig, rng: np.random.Generator, n_rows: int, n_cols
             x[:, j] = quantize(rng, x[:, j])
 
     if classification:
-        x[:, n_feat] = make_classes(rng, scm.values[target], cfg.max_classes, scm.codes.get(target),
-                                     cfg.p_equal_class_shares)
+        if cfg.p_nominal_classes > 0 and rng.random() < cfg.p_nominal_classes:
+            x[:, n_feat] = nominal_classes(rng, scm.values[_nominal_nodes(rng, dag, target, feat_nodes)], cfg.max_classes)
+        else:
+            x[:, n_feat] = make_classes(rng, scm.values[target], cfg.max_classes, scm.codes.get(target),
+                                         cfg.p_equal_class_shares)
         kind[n_feat], card[n_feat] = CATEGORICAL, int(x[:, n_feat].max()) + 1
 
     if n_feat and rng.random() < cfg.p_missing:

@@ -91,6 +91,11 @@ class StreamConfig:
         # pretrain-mixed with half of the classification targets cut into equal-share classes: every
         # class count 2..10 about as often (10-class targets ~7% instead of ~2%), for the many-class tables
         "pretrain-classes": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5)},
+        # pretrain-classes with half of the classification targets nominal (a multinomial logit of the
+        # target node and some feature nodes: classes not ordered along one node, often linearly
+        # separated), as in tables such as vehicle or segment
+        "pretrain-nominal": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5,
+                                                            p_nominal_classes=0.5)},
         # nanoTabPFN-sized tables: 150 rows x 5 features + the target, classification only, a
         # context share drawn as nanoTabPFN draws its split (the equal-budget study of BENCHMARKS.md)
         "nano": dict(min_rows=150, max_rows=150, min_cols=6, max_cols=6, max_cells=900, row_quantum=10,

@@ -1,9 +1,11 @@
-"""Turning an SCM node into a classification target.
+"""Turning SCM nodes into a classification target.
 
 A continuous node is cut into K classes at rank thresholds (random class shares) or at
 value thresholds; a discretiser node may use its own categories (grouped into K). Classes
 smaller than a minimum count are merged into a neighbour, so every class 0..K'-1 is
-present (2 <= K' <= K), and the class ids are randomly permuted.
+present (2 <= K' <= K), and the class ids are randomly permuted. Classes cut from one node
+are ordered along it; `nominal_classes` draws unordered ones instead: each row takes the
+class with the largest of K noisy linear scores of several nodes (a multinomial logit).
 """
 from __future__ import annotations
 
@@ -82,4 +84,31 @@ def make_classes(
         if labels.max() < 1:  # constant node: arbitrary split keeps the contract
             labels = (np.argsort(np.argsort(value, kind="stable")) >= n // 2).astype(np.int64)
     _, labels = np.unique(labels, return_inverse=True)
+    return rng.permutation(int(labels.max()) + 1)[labels].astype(np.int64)
+
+
+NOMINAL_NODES = 6  # a nominal target reads at most this many nodes
+NOMINAL_SHARPNESS = (0.5, 4.0)  # log-uniform scale of the scores against unit Gumbel noise
+
+
+def nominal_classes(rng: np.random.Generator, nodes: np.ndarray, max_classes: int) -> np.ndarray:
+    """int64 labels 0..K'-1 of a nominal target, every class present, 2 <= K' <= max_classes.
+
+    nodes (p, n): the values of the nodes the target reads (the target node and its causal
+    neighbours). Row i takes argmax_k (s * (w_k . z_i + b_k) + g_ik): z the standardised nodes,
+    w_k, b_k standard normal (b halved), s log-uniform in NOMINAL_SHARPNESS, g unit Gumbel noise.
+    Small classes merge into the largest (as for categories); the class ids are permuted."""
+    nodes = np.atleast_2d(np.asarray(nodes, dtype=np.float64))
+    p, n = nodes.shape
+    k = min(int(rng.integers(2, max_classes + 1)), max(2, n // 2))
+    std = nodes.std(axis=1, keepdims=True)
+    z = np.divide(nodes - nodes.mean(axis=1, keepdims=True), std, out=np.zeros_like(nodes), where=std > 0)
+    w, b = rng.standard_normal((k, p)), 0.5 * rng.standard_normal((k, 1))
+    sharpness = np.exp(rng.uniform(*np.log(NOMINAL_SHARPNESS)))
+    scores = sharpness * (w @ z + b) + rng.gumbel(size=(k, n))
+    labels = _from_categories(rng, scores.argmax(axis=0), k, k, _min_count(n, k))
+    if labels.max() < 1:  # everything in one class: split the rows at the median of the first score
+        labels = (scores[0] > np.median(scores[0])).astype(np.int64)
+        if labels.max() < 1:
+            labels = (np.argsort(np.argsort(scores[0], kind="stable")) >= n // 2).astype(np.int64)
     return rng.permutation(int(labels.max()) + 1)[labels].astype(np.int64)

@@ -19,7 +19,7 @@ from tabfm.synth.postprocess import MAR, MCAR, MNAR, categorize, kumaraswamy_war
 from tabfm.synth.prior import sample_table
 from tabfm.synth.raw import TARGET, to_frame
 from tabfm.synth.table import CLASSIFICATION, REGRESSION, SynthTable
-from tabfm.synth.target import make_classes
+from tabfm.synth.target import make_classes, nominal_classes
 
 DEFAULT = PriorConfig()
 
@@ -273,6 +273,7 @@ def test_classification_targets_are_learnable():
 BAD_VALUES = [
     ("p_classification", -0.1), ("p_classification", 1.5), ("max_classes", 1), ("max_classes", 2.5),
     ("p_equal_class_shares", -0.1), ("p_equal_class_shares", 1.5),
+    ("p_nominal_classes", -0.1), ("p_nominal_classes", float("nan")),
     ("hidden_nodes", (-1.0, 1.0)), ("hidden_nodes", (1.0, 0.5)), ("root_fraction", (0.1, 1.5)),
     ("p_redirect", (0.0, 2.0)), ("max_parents", 0), ("p_disjoint_subgraphs", 2.0),
     ("activations", ()), ("activations", ("tanh", "nope")), ("activations", "tanh"), ("max_hidden", 0),
@@ -395,6 +396,68 @@ def test_equal_class_shares_keep_every_drawn_class():
         assert g0.random() == g1.random()
     y = make_classes(rng(0), np.zeros(40), 5, None, 1.0)  # a constant node still yields >= 2 classes
     assert len(np.unique(y)) >= 2
+
+
+def test_nominal_classes_keep_the_class_contract():
+    """Every class 0..K'-1 present, 2 <= K' <= max_classes, int64, for any number of input nodes,
+    rows and a constant node."""
+    seen = set()
+    for seed in range(80):
+        p, n = 1 + seed % 6, (20, 300, 1000)[seed % 3]
+        y = nominal_classes(rng(seed), rng(seed + 1).standard_normal((p, n)), 10)
+        k = int(y.max()) + 1
+        assert y.dtype == np.int64 and 2 <= k <= 10 and np.array_equal(np.unique(y), np.arange(k))
+        seen.add(k)
+    assert len(seen) >= 7
+    assert len(np.unique(nominal_classes(rng(0), np.zeros((3, 40)), 5))) >= 2
+
+
+def test_nominal_classes_are_a_multinomial_logit_not_cuts_of_one_node():
+    """Classes drawn from 3 nodes: a multinomial logistic regression on the nodes recovers them well
+    above the majority class (they follow noisy linear scores), and the best cut of any single node
+    into ordered intervals recovers them worse than it recovers classes cut from that node."""
+    from sklearn.linear_model import LogisticRegression
+
+    lift, nominal_best_cut = [], []
+    for seed in range(30):
+        z = rng(100 + seed).standard_normal((3, 600))
+        y = nominal_classes(rng(seed), z, 6)
+        if y.max() < 2:
+            continue
+        acc = LogisticRegression(max_iter=2000).fit(z.T, y).score(z.T, y)
+        lift.append(acc - np.bincount(y).max() / len(y))
+        # an ordered cut of node j: each class is an interval; at best the interval of each
+        # class's median rank order -> accuracy of predicting y from the rank of z_j by class order
+        best = 0.0
+        for j in range(3):
+            order = np.argsort([np.median(z[j][y == c]) for c in range(y.max() + 1)])
+            ranks = np.argsort(np.argsort(z[j]))
+            cut = np.searchsorted(np.cumsum(np.bincount(y)[order])[:-1], ranks, side="right")
+            best = max(best, float((order[cut] == y).mean()))
+        nominal_best_cut.append(best)
+    assert len(lift) >= 15
+    assert np.mean(lift) > 0.25, np.mean(lift)
+    assert np.mean(nominal_best_cut) < 0.6, np.mean(nominal_best_cut)
+    y = make_classes(rng(0), z[0], 6, None, 1.0)  # a cut of node 0 is recovered exactly by its ranks
+    order = np.argsort([np.median(z[0][y == c]) for c in range(y.max() + 1)])
+    cut = np.searchsorted(np.cumsum(np.bincount(y)[order])[:-1], np.argsort(np.argsort(z[0])), side="right")
+    assert (order[cut] == y).mean() == 1.0
+
+
+def test_prior_nominal_targets_are_drawn_only_when_asked():
+    """p_nominal_classes = 0 (every preset but pretrain-nominal) draws the same tables as before;
+    = 1 gives valid class targets that differ from the cut ones."""
+    cut = replace(DEFAULT, p_classification=1.0)
+    for seed in range(10):
+        a, b = sample_table(cut, rng(seed), 200, 8), sample_table(replace(cut, p_nominal_classes=0.0), rng(seed), 200, 8)
+        assert np.array_equal(a.X, b.X, equal_nan=True)
+    differ = 0
+    for seed in range(10):
+        a, b = sample_table(cut, rng(seed), 200, 8), sample_table(replace(cut, p_nominal_classes=1.0), rng(seed), 200, 8)
+        y = b.X[:, -1].astype(np.int64)
+        assert b.task == CLASSIFICATION and np.array_equal(np.unique(y), np.arange(b.cardinality[-1]))
+        differ += not np.array_equal(a.X[:, -1], b.X[:, -1])
+    assert differ >= 8
 
 
 # ------------------------------------------------------------------ raw mode
