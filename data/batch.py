@@ -26,6 +26,10 @@ class TableBatch:
     col_valid    bool    (B, C)     real columns (False = padding)
     context      bool    (B, R)     rows other rows may attend to
     query        bool    (B, R, C)  hidden cells the model must predict (true values stay in x)
+    feature_ref  int64   (B, C, 3)  what a context-feature column (tabfm.data.context_features) estimates:
+                                    (the column it estimates, the class code whose share it estimates or -1
+                                    for a numeric target, its estimator 0..); all -1 for every other column.
+                                    Optional: left out, every column is a table's own (all -1).
     """
 
     x: torch.Tensor
@@ -35,6 +39,12 @@ class TableBatch:
     col_valid: torch.Tensor
     context: torch.Tensor
     query: torch.Tensor
+    feature_ref: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.feature_ref is None:
+            b, c = self.kind.shape[:2]
+            self.feature_ref = torch.full((b, c, 3), -1, dtype=torch.int64, device=self.kind.device)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -60,8 +70,10 @@ class TableBatch:
         context: torch.Tensor | None = None,
         query: torch.Tensor | None = None,
         validate: bool = True,
+        feature_ref: torch.Tensor | None = None,
     ) -> "TableBatch":
-        """A batch of one unpadded table: x (R, C), kind/cardinality (C,), context (R,), query (R, C).
+        """A batch of one unpadded table: x (R, C), kind/cardinality (C,), context (R,), query (R, C),
+        feature_ref (C, 3) (default: all -1, no context-feature column).
 
         validate=False skips `validate`, for query rows alone against an already encoded context
         (`TabFM.forward_queries`), which has no context rows by design."""
@@ -79,6 +91,7 @@ class TableBatch:
             col_valid=torch.ones(1, c, dtype=torch.bool),
             context=context[None],
             query=query[None],
+            feature_ref=None if feature_ref is None else torch.as_tensor(feature_ref, dtype=torch.int64)[None],
         )
         if validate:
             batch.validate()
@@ -114,7 +127,9 @@ class TableBatch:
         return TableBatch(x=grow(self.x, 0.0, (b, r, extra)), kind=grow(self.kind, PAD, (b, extra)),
                           cardinality=grow(self.cardinality, 0, (b, extra)), row_valid=self.row_valid,
                           col_valid=grow(self.col_valid, False, (b, extra)), context=self.context,
-                          query=grow(self.query, False, (b, r, extra)))
+                          query=grow(self.query, False, (b, r, extra)),
+                          feature_ref=torch.cat([self.feature_ref, torch.full((b, extra, 3), -1, dtype=torch.int64,
+                                                                              device=self.feature_ref.device)], dim=1))
 
     # ----------------------------------------------------------------- moving
     def to(self, device: torch.device | str | None = None, non_blocking: bool = False) -> "TableBatch":
@@ -154,6 +169,7 @@ class TableBatch:
             "col_valid": ((b, c), (torch.bool,)),
             "context": ((b, r), (torch.bool,)),
             "query": ((b, r, c), (torch.bool,)),
+            "feature_ref": ((b, c, 3), (torch.int64,)),
         }
         for name, (shape, dtypes) in expect.items():
             t = getattr(self, name)
@@ -203,8 +219,38 @@ class TableBatch:
         if (self.query & ~valid_cell).any():
             i, rr, j = (self.query & ~valid_cell).nonzero()[0].tolist()
             raise ValueError(f"table {i} cell ({rr}, {j}) is a query cell but is padding")
+        self._validate_feature_ref(kind)
         has_rows = self.row_valid.any(1)
         no_ctx = has_rows & ~self.context.any(1)
         if no_ctx.any():
             raise ValueError(f"table {int(no_ctx.nonzero()[0])} has rows but no context rows")
         return self
+
+    def _validate_feature_ref(self, kind: torch.Tensor) -> None:
+        """A context-feature column is a valid numeric column that estimates another valid column of its
+        table (a class code below that column's cardinality, or -1 for a numeric one)."""
+        ref = self.feature_ref
+        col, code, est = ref.unbind(-1)
+        marked = col >= 0
+        if ((~marked) & ((code != -1) | (est != -1))).any() or (marked & (est < 0)).any():
+            i, j = (((~marked) & ((code != -1) | (est != -1))) | (marked & (est < 0))).nonzero()[0].tolist()
+            raise ValueError(f"table {i} column {j}: feature_ref {ref[i, j].tolist()} is neither all -1 nor "
+                             "(column >= 0, code, estimator >= 0)")
+        if not marked.any():
+            return
+        c = self.shape[2]
+        if (col >= c).any():
+            i, j = (col >= c).nonzero()[0].tolist()
+            raise ValueError(f"table {i} column {j}: feature_ref names column {int(col[i, j])}, but the table has {c}")
+        target = col.clamp(min=0)
+        t_kind = kind.gather(1, target)
+        t_card = self.cardinality.gather(1, target)
+        bad = marked & ((kind != NUMERIC) | (t_kind == PAD) | (target == torch.arange(c, device=col.device))
+                        | ((t_kind == CATEGORICAL) & ((code < 0) | (code >= t_card)))
+                        | ((t_kind == NUMERIC) & (code != -1)))
+        if bad.any():
+            i, j = bad.nonzero()[0].tolist()
+            raise ValueError(f"table {i} column {j} (kind {int(kind[i, j])}): feature_ref {ref[i, j].tolist()} must "
+                             f"mark a numeric column estimating another real column (kind {int(t_kind[i, j])}, "
+                             f"cardinality {int(t_card[i, j])}), with a class code below its cardinality "
+                             "or -1 for a numeric one")

@@ -398,9 +398,10 @@ def apply_plan(plan: BatchPlan, tables: Sequence[Any]) -> TableBatch:
             if len(t) != 1 or not bool(t.row_valid.all()) or not bool(t.col_valid.all()):
                 raise ValueError(f"table {plan.indices[j]}: apply_plan takes a one-table TableBatch without padding")
             tx, tkind, tcard, tctx, tq = t.x[0], t.kind[0], t.cardinality[0], t.context[0], t.query[0]
+            tref = t.feature_ref[0]
         else:
             tx, tkind, tcard = torch.as_tensor(t.x, dtype=torch.float32), torch.as_tensor(t.kind), torch.as_tensor(t.cardinality)
-            tctx = tq = None
+            tctx = tq = tref = None
         if tx.dim() != 2 or tx.shape[0] != plan.sizes[j][0]:
             raise ValueError(f"table {plan.indices[j]} has shape {tuple(tx.shape)} but the plan was made for "
                              f"{plan.sizes[j][0]} rows (did the store change?)")
@@ -408,7 +409,7 @@ def apply_plan(plan: BatchPlan, tables: Sequence[Any]) -> TableBatch:
         if take is not None:
             idx = torch.from_numpy(take)
             tx, tctx, tq = tx[idx], None if tctx is None else tctx[idx], None if tq is None else tq[idx]
-        parts.append((tx, tkind, tcard, tctx, tq))
+        parts.append((tx, tkind, tcard, tctx, tq, tref))
     b, r = len(parts), plan.rows
     c = max([plan.cols] + [int(p[0].shape[1]) for p in parts])
     x = torch.zeros(b, r, c, dtype=torch.float32)
@@ -418,7 +419,8 @@ def apply_plan(plan: BatchPlan, tables: Sequence[Any]) -> TableBatch:
     col_valid = torch.zeros(b, c, dtype=torch.bool)
     context = torch.zeros(b, r, dtype=torch.bool)
     query = torch.zeros(b, r, c, dtype=torch.bool)
-    for j, (tx, tkind, tcard, tctx, tq) in enumerate(parts):
+    ref = torch.full((b, c, 3), -1, dtype=torch.int64)
+    for j, (tx, tkind, tcard, tctx, tq, tref) in enumerate(parts):
         k, w = tx.shape
         x[j, :k, :w] = tx
         kind[j, :w] = tkind.to(torch.int8)
@@ -428,8 +430,10 @@ def apply_plan(plan: BatchPlan, tables: Sequence[Any]) -> TableBatch:
         context[j, :k] = True if tctx is None else tctx
         if tq is not None:
             query[j, :k, :w] = tq
+        if tref is not None:
+            ref[j, :w] = tref
     return TableBatch(x=x, kind=kind, cardinality=card, row_valid=row_valid, col_valid=col_valid,
-                      context=context, query=query)
+                      context=context, query=query, feature_ref=ref)
 
 
 def encoded_cols(header_or_kinds: Any) -> int:

@@ -26,6 +26,7 @@ from .neighbors import Neighbors, design, relevance
 
 LINEAR_FOLDS = 5  # out-of-fold ridge scores of the context rows
 RIDGE_ALPHA = 1.0  # L2 strength of the ridge on the standardised design
+MAX_ESTIMATORS = 8  # neighbour sizes + ridge a spec may have (the model's estimator slots, ModelConfig.context_refs)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ContextFeatureSpec:
     def __post_init__(self) -> None:
         if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1 for k in self.neighbors):
             raise ValueError(f"ContextFeatureSpec.neighbors must be sizes >= 1, got {self.neighbors!r}")
+        if len(self.neighbors) + int(self.linear) > MAX_ESTIMATORS:
+            raise ValueError(f"ContextFeatureSpec has {len(self.neighbors)} neighbour sizes"
+                             f"{' and a linear score' if self.linear else ''}: at most {MAX_ESTIMATORS} estimators")
         if not self.neighbors and not self.linear:
             raise ValueError("ContextFeatureSpec with no neighbour sizes and no linear score carries nothing; "
                              "use the name 'none'")
@@ -72,6 +76,29 @@ def feature_targets(y: np.ndarray, n_classes: int | None) -> np.ndarray:
     if n_classes < 2:
         raise ValueError(f"a class target needs n_classes >= 2, got {n_classes}")
     return (y[:, None] == np.arange(1, n_classes)[None, :]).astype(np.float64)
+
+
+def feature_estimates(spec: ContextFeatureSpec, n_classes: int | None) -> np.ndarray:
+    """int64 (E, 2) what each of `context_features`' columns estimates, in its column order: (the class
+    code whose share it is, or -1 for a numeric target; its estimator: i for neighbour size
+    spec.neighbors[i], len(spec.neighbors) for the ridge score)."""
+    codes = np.arange(1, n_classes) if n_classes is not None else np.array([-1])
+    blocks = len(spec.neighbors) + int(spec.linear)
+    return np.stack([np.tile(codes, blocks), np.repeat(np.arange(blocks), len(codes))], axis=1).astype(np.int64)
+
+
+def feature_refs(n_columns: int, extra: slice, target: int, spec: ContextFeatureSpec | None,
+                 n_classes: int | None) -> np.ndarray:
+    """int64 (n_columns, 3) a table's `TableBatch.feature_ref` rows: the columns `extra` hold the
+    context features of the target column `target` (`feature_estimates`), every other row is -1."""
+    ref = np.full((n_columns, 3), -1, dtype=np.int64)
+    if spec is not None:
+        est = feature_estimates(spec, n_classes)
+        rows = np.arange(n_columns)[extra]
+        if len(rows) != len(est):
+            raise ValueError(f"feature_refs: {len(rows)} columns for {len(est)} context features")
+        ref[rows, 0], ref[rows, 1:] = target, est
+    return ref
 
 
 def ridge_scores(ctx_points: np.ndarray, query_points: np.ndarray, targets: np.ndarray,

@@ -38,7 +38,7 @@ import pandas as pd
 import torch
 
 from .batch import CATEGORICAL, NUMERIC, TableBatch
-from .context_features import ContextFeatureSpec, context_features
+from .context_features import ContextFeatureSpec, context_features, feature_refs
 from .encode import TableSchema, encode_frame
 from .seekable import SeekableStream
 
@@ -260,6 +260,7 @@ def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cf
 
     context = np.ones(n, dtype=bool)
     query = np.zeros((n, cols), dtype=bool)
+    refs = None
     if task == IMPUTATION:
         observed = np.flatnonzero(~np.isnan(x).ravel())
         lo, hi = cfg.mask_fraction
@@ -282,11 +283,13 @@ def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cf
             kind = np.concatenate([kind[:-1], np.full(extra.shape[1], NUMERIC, dtype=kind.dtype), kind[-1:]])
             card = np.concatenate([card[:-1], np.zeros(extra.shape[1], dtype=card.dtype), card[-1:]])
             query = np.hstack([query[:, :-1], np.zeros((n, extra.shape[1]), dtype=bool), query[:, -1:]])
+            refs = feature_refs(x.shape[1], slice(x.shape[1] - 1 - extra.shape[1], -1), x.shape[1] - 1, spec, n_classes)
         if cfg.categorical == "ordinal":  # as the estimators show features by default: codes read as numbers
             cat_feat = kind[:-1] == CATEGORICAL
             kind[:-1][cat_feat], card[:-1][cat_feat] = NUMERIC, 0
     return TableBatch.from_table(torch.from_numpy(x), torch.from_numpy(kind), torch.from_numpy(card),
-                                 torch.from_numpy(context), torch.from_numpy(query))
+                                 torch.from_numpy(context), torch.from_numpy(query),
+                                 feature_ref=None if refs is None else torch.from_numpy(refs))
 
 
 @dataclass(frozen=True)

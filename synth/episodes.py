@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tabfm.data.batch import NUMERIC, PAD, TableBatch
-from tabfm.data.context_features import ContextFeatureSpec, context_features
+from tabfm.data.context_features import ContextFeatureSpec, context_features, feature_refs
 from .table import CLASSIFICATION, REGRESSION, SynthTable
 
 IMPUTATION = "imputation"
@@ -25,11 +25,13 @@ TASKS = (CLASSIFICATION, REGRESSION, IMPUTATION)
 
 @dataclass(frozen=True)
 class Episode:
-    """The question asked of one table: context rows (R,) and query cells (R, C), both bool."""
+    """The question asked of one table: context rows (R,) and query cells (R, C), both bool; with
+    context features, what each column estimates (C, 3), as TableBatch.feature_ref (None: nothing)."""
 
     task: str
     context: np.ndarray
     query: np.ndarray
+    feature_ref: np.ndarray | None = None
 
 
 def prediction_episode(table: SynthTable, rng: np.random.Generator, context_fraction: tuple[float, float]) -> Episode:
@@ -88,7 +90,9 @@ def with_context_features(table: SynthTable, episode: Episode, spec: ContextFeat
                        cardinality=np.concatenate([table.cardinality, np.zeros(width, dtype=table.cardinality.dtype)]),
                        target=table.target, task=table.task)
     query_cells = np.hstack([episode.query, np.zeros((table.shape[0], width), dtype=bool)])
-    return grown, Episode(task=episode.task, context=episode.context, query=query_cells)
+    n_own = table.shape[1]
+    refs = feature_refs(n_own + width, slice(n_own, None), table.target, spec, n_classes)
+    return grown, Episode(task=episode.task, context=episode.context, query=query_cells, feature_ref=refs)
 
 
 def pack(tables: Sequence[SynthTable], episodes: Sequence[Episode], rows: int, cols: int) -> TableBatch:
@@ -103,6 +107,7 @@ def pack(tables: Sequence[SynthTable], episodes: Sequence[Episode], rows: int, c
     col_valid = np.zeros((b, cols), dtype=bool)
     context = np.zeros((b, rows), dtype=bool)
     query = np.zeros((b, rows, cols), dtype=bool)
+    ref = np.full((b, cols, 3), -1, dtype=np.int64)
     for i, (t, e) in enumerate(zip(tables, episodes)):
         r, c = t.shape
         if r > rows or c > cols:
@@ -114,6 +119,8 @@ def pack(tables: Sequence[SynthTable], episodes: Sequence[Episode], rows: int, c
         col_valid[i, :c] = True
         context[i, :r] = e.context
         query[i, :r, :c] = e.query
+        if e.feature_ref is not None:
+            ref[i, :c] = e.feature_ref
     return TableBatch(
         x=torch.from_numpy(x),
         kind=torch.from_numpy(kind),
@@ -122,4 +129,5 @@ def pack(tables: Sequence[SynthTable], episodes: Sequence[Episode], rows: int, c
         col_valid=torch.from_numpy(col_valid),
         context=torch.from_numpy(context),
         query=torch.from_numpy(query),
+        feature_ref=torch.from_numpy(ref),
     )

@@ -93,3 +93,40 @@ def test_slice_rows_keeps_columns():
     assert part.shape == (2, 3, 3)
     assert torch.equal(part.x, batch.x[:, 1:4])
     assert torch.equal(part.kind, batch.kind)
+
+
+def refs_batch() -> TableBatch:
+    """make_batch with column 0 a context feature estimating class 3 of column 2 (ridge slot 2)."""
+    batch = make_batch()
+    batch.feature_ref[:, 0] = torch.tensor([2, 3, 2])
+    return batch.validate()
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda b: b.feature_ref.__setitem__((0, 2), torch.tensor([2, 1, 0])), "must mark a numeric column"),
+        (lambda b: b.feature_ref.__setitem__((0, 0, 1), 4), "class code below its cardinality"),
+        (lambda b: b.feature_ref.__setitem__((0, 1), torch.tensor([1, -1, 0])), "estimating another real column"),
+        (lambda b: b.feature_ref.__setitem__((1, 1), torch.tensor([-1, 2, 0])), "neither all -1"),
+        (lambda b: b.feature_ref.__setitem__((1, 1), torch.tensor([7, 2, 0])), "names column 7, but the table has 3"),
+        (lambda b: setattr(b, "feature_ref", b.feature_ref[:, :2]), "feature_ref has shape (2, 2, 3)"),
+    ],
+)
+def test_feature_ref_validation_names_the_problem(mutate, message):
+    batch = refs_batch()
+    mutate(batch)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        batch.validate()
+
+
+def test_feature_ref_defaults_and_travels():
+    """Left out, every column is a table's own (-1); padding columns, collation and indexing keep it."""
+    plain = make_batch()
+    assert plain.feature_ref.shape == (2, 3, 3) and bool((plain.feature_ref == -1).all())
+    batch = refs_batch()
+    wide = batch.pad_columns(5).validate()
+    assert torch.equal(wide.feature_ref[:, :3], batch.feature_ref) and bool((wide.feature_ref[:, 3:] == -1).all())
+    both = TableBatch.collate([batch, plain])
+    assert torch.equal(both[0].feature_ref, batch.feature_ref[:1]) and torch.equal(both[2:].feature_ref, plain.feature_ref)
+    assert torch.equal(batch.slice_rows(1, 3).feature_ref, batch.feature_ref)

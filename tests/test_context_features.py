@@ -103,6 +103,13 @@ def test_stream_episodes_carry_the_shared_columns():
             np.testing.assert_array_equal(x[:r][ctx, c:c + width], extra_c)
             np.testing.assert_array_equal(x[:r][~ctx, c:c + width], extra_q)
             assert (batch.kind[j, c:c + width] == NUMERIC).all() and not batch.query[j, :, c:].any()
+            # what each column estimates: nothing for the table's own, the target's classes 1..n-1 (or
+            # its value) per estimator for the extra ones, in their order
+            ref = batch.feature_ref[j].numpy()
+            assert (ref[:c] == -1).all() and (ref[c + width:] == -1).all()
+            codes = list(range(1, n_classes)) if n_classes else [-1]
+            want = [[table.target, k, e] for e in range(3) for k in codes]
+            np.testing.assert_array_equal(ref[c:c + width], want)
     assert {"classification", "regression"} <= seen
 
 
@@ -130,24 +137,29 @@ def test_estimator_shows_a_contract_model_exactly_its_columns(monkeypatch):
     calls = []
     real = TabFMClassifier._predict
 
-    def spy(self, rt, context_x, query_x, query_mask, kind, cardinality, fn):
-        calls.append((rt.id_seed, context_x.copy(), query_x.copy(), kind.copy()))
-        return real(self, rt, context_x, query_x, query_mask, kind, cardinality, fn)
+    def spy(self, rt, context_x, query_x, query_mask, kind, cardinality, fn, feature_ref=None):
+        calls.append((rt.id_seed, context_x.copy(), query_x.copy(), kind.copy(), feature_ref))
+        return real(self, rt, context_x, query_x, query_mask, kind, cardinality, fn, feature_ref)
 
     monkeypatch.setattr(TabFMClassifier, "_predict", spy)
     proba = clf.predict_proba(X[:7])
     assert proba.shape == (7, 3) and np.allclose(proba.sum(1), 1)
-    (seed, ctx_x, query_x, kind), = calls
+    (seed, ctx_x, query_x, kind, refs), = calls
     member = clf._members(cover_all=False, n_classes=3)[0]
     view = clf._supervised_view(member, X[:7].astype(np.float32), classes=True, rt=clf._runtime().for_member(member))
     y_member = member.class_perm[clf.y_[view.rows]]
-    want_c, want_q, want_kind, _ = append_context_features(
+    want_c, want_q, want_kind, _, want_refs = append_context_features(
         view.ctx, view.query, view.kind, view.card, y_member, 3, "knn-linear", np.random.default_rng([seed, 1]),
         design=(view.source_kind, view.source_card))
     np.testing.assert_array_equal(ctx_x[:, :-1], want_c)
     np.testing.assert_array_equal(query_x[:, :-1], want_q)
     assert ctx_x.shape[1] == 3 + 2 * 3 + 1  # 3 features, (2 neighbour sizes + ridge) x 2 class indicators, target
     np.testing.assert_array_equal(kind[:-1], want_kind)
+    # what each column estimates: nothing for the 3 features and the target; the target (column 9),
+    # classes 1, 2 per estimator (k = 5, k = 20, ridge) for the 6 context features
+    np.testing.assert_array_equal(refs, want_refs)
+    np.testing.assert_array_equal(refs, [[-1, -1, -1]] * 3 + [[9, 1, 0], [9, 2, 0], [9, 1, 1], [9, 2, 1], [9, 1, 2],
+                                                                [9, 2, 2], [-1, -1, -1]])
 
 
 def test_warm_start_teaches_an_init_new_columns_and_resume_keeps_them(tmp_path):
@@ -195,6 +207,8 @@ def test_fine_tuning_episodes_carry_the_shared_columns_before_the_target():
     np.testing.assert_array_equal(gx[~ctx, 2:8], want_q)
     np.testing.assert_array_equal(gx[:, 8], bx[:, 2])
     assert got.query[0, :, -1].equal(~base.context[0]) and not got.query[0, :, :-1].any()
+    np.testing.assert_array_equal(got.feature_ref[0].numpy(), [[-1, -1, -1]] * 2 + [[8, k, e] for e in range(3)
+                                                                                    for k in (1, 2)] + [[-1, -1, -1]])
     mixed = TableEpisodeSampler([table], cfg.replace(imputation=0.5), seed=1)
     for p in range(8):
         mixed.batch_at(p).validate()
@@ -213,3 +227,26 @@ def test_pretrain_from_an_init_keeps_its_context_features(tmp_path, capsys):
     assert export["model"]["context_features"] == "knn-linear"
     assert main([*argv, "--out", str(tmp_path / "drop"), "--context-features", "none"]) == 0
     assert json.loads((tmp_path / "drop" / "train_config.json").read_text())["context_features"] == "none"
+
+
+def test_pretrain_context_refs_from_an_init_and_the_estimators_read_them(tmp_path, capsys):
+    """`tabfm pretrain --init tabfm-tiny-cf --context-refs` records context_refs in its run and export,
+    a warm start from that export keeps them, and TabFMClassifier answers with the exported model."""
+    import json
+    from tabfm import TabFMClassifier
+    from tabfm.cli import main
+
+    argv = ["pretrain", "--preset", "smoke", "--steps", "2", "--eval-batches", "0", "--quiet"]
+    assert main([*argv, "--init", "tabfm-tiny-cf", "--context-refs", "--out", str(tmp_path / "refs")]) == 0
+    assert json.loads((tmp_path / "refs" / "train_config.json").read_text())["context_refs"] is True
+    export = tmp_path / "refs" / "export"
+    assert json.loads((export / "config.json").read_text())["model"]["context_refs"] is True
+    assert main([*argv, "--init", str(export), "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "train_config.json").read_text())["context_refs"] is True
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 4))
+    y = (X[:, 0] > 0).astype(int) + (X[:, 1] > 0)
+    proba = TabFMClassifier(model=str(export), n_estimators=2, multiclass="native", random_state=0).fit(X, y).predict_proba(X[:9])
+    assert proba.shape == (9, 3) and np.allclose(proba.sum(1), 1)
+    assert main([*argv, "--context-refs", "--context-features", "none", "--out", str(tmp_path / "none")]) != 0
+    assert "context_refs = True: needs context features" in capsys.readouterr().err

@@ -132,3 +132,23 @@ def test_warm_start_packs_cells_of_a_g1_export(tmp_path):
     export_model(grouped, tmp_path / "g3", {"model": grouped.config.to_dict()})
     with pytest.raises(ValueError, match="cells_per_token"):  # G = 3 -> 1 is not a growth
         warm_start(TabFM(ModelConfig(**SMALL)), str(tmp_path / "g3"))
+
+
+def test_warm_start_adds_context_refs_that_start_as_a_no_op(tmp_path):
+    """A context_refs run from weights without them: every weight copied, the reference projections
+    zero, so it computes exactly the init's function on a batch whose columns carry references."""
+    from tests.test_model import with_refs
+
+    base = TabFM(ModelConfig(**SMALL, context_features="knn-linear")).eval()
+    export_model(base, tmp_path / "base", {"model": base.config.to_dict()})
+    refs = TabFM(ModelConfig(**SMALL, context_features="knn-linear", context_refs=True)).eval()
+    torch.nn.init.normal_(refs.encoder.ref_code.weight)  # whatever it held, the warm start zeroes it
+    warm_start(refs, str(tmp_path / "base"))
+    assert all(float(p.abs().max()) == 0.0 for n, p in refs.encoder.named_parameters() if n.startswith("ref_"))
+    batch = with_refs(make_batch(c=6, seed=4))
+    with torch.no_grad():
+        a, b = base(batch), refs(batch)
+    assert torch.equal(a.num_logits, b.num_logits) and torch.equal(a.cat_logits, b.cat_logits)
+    export_model(refs, tmp_path / "refs", {"model": refs.config.to_dict()})
+    with pytest.raises(ValueError, match="context_refs"):  # dropping them is not a growth
+        warm_start(TabFM(ModelConfig(**SMALL, context_features="knn-linear")), str(tmp_path / "refs"))

@@ -186,6 +186,55 @@ def test_column_permutation_invariance(id_seed, G):
         torch.testing.assert_close(num, num_p, atol=1e-5, rtol=0)
 
 
+def with_refs(batch: TableBatch) -> TableBatch:
+    """Column 0 (numeric) as a context feature estimating class 1 of column 1 (categorical), column 2
+    (when numeric) its value-free second estimator of class 0."""
+    ref = torch.full_like(batch.feature_ref, -1)
+    ref[:, 0] = torch.tensor([1, 1, 0])
+    numeric2 = batch.kind[:, 2] == 1
+    ref[numeric2, 2] = torch.tensor([1, 0, 2])
+    out = TableBatch(x=batch.x, kind=batch.kind, cardinality=batch.cardinality, row_valid=batch.row_valid,
+                     col_valid=batch.col_valid, context=batch.context, query=batch.query, feature_ref=ref)
+    return out.validate()
+
+
+def refs_model(seed: int = 0) -> TabFM:
+    """A context_refs model whose reference projections are trained-like (they start at zero)."""
+    m = model(seed, context_features="knn-linear", context_refs=True)
+    for name, p in m.encoder.named_parameters():
+        if name.startswith("ref_"):
+            torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def test_context_refs_change_answers_and_keep_column_order_invariance():
+    """What a feature column estimates reaches the model (other answers than without references), and
+    permuting the columns (references renumbered) permutes the answers."""
+    m, batch = refs_model(), with_refs(make_batch(c=6))
+    plain = make_batch(c=6)
+    out = m(batch)
+    assert max_diff(out, m(plain)) > 1e-3
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    inv = torch.argsort(perm)
+    ref = batch.feature_ref[:, perm].clone()
+    ref[..., 0] = torch.where(ref[..., 0] >= 0, inv[ref[..., 0].clamp(min=0)], -1)
+    permuted = TableBatch(
+        x=batch.x[:, :, perm], kind=batch.kind[:, perm], cardinality=batch.cardinality[:, perm],
+        row_valid=batch.row_valid, col_valid=batch.col_valid[:, perm], context=batch.context,
+        query=batch.query[:, :, perm], feature_ref=ref,
+    ).validate()
+    out_p = by_cell(m(permuted))
+    for (b, r, c), (cat, num) in by_cell(out).items():
+        cat_p, num_p = out_p[(b, r, int(inv[c]))]
+        torch.testing.assert_close(cat, cat_p, atol=1e-5, rtol=0)
+        torch.testing.assert_close(num, num_p, atol=1e-5, rtol=0)
+
+
+def test_context_refs_need_context_features():
+    with pytest.raises(ValueError, match="context_refs"):
+        ModelConfig(**SMALL, context_refs=True)
+
+
 def test_id_seed_draws_other_column_identities():
     """Ensemble members salt the eval-mode identities: same model, other (deterministic) answers."""
     m, batch = model(), make_batch(c=6)

@@ -27,7 +27,12 @@ FIELDS = ("cat_logits", "num_logits", "mean", "std")
 
 def small_model(seed: int = 0, **overrides) -> TabFM:
     torch.manual_seed(seed)
-    return TabFM(ModelConfig.preset("tiny", **{**SMALL, **overrides})).eval()
+    model = TabFM(ModelConfig.preset("tiny", **{**SMALL, **overrides})).eval()
+    if model.config.context_refs:  # trained-like reference projections (they start at zero)
+        for name, p in model.encoder.named_parameters():
+            if name.startswith("ref_"):
+                torch.nn.init.normal_(p, std=0.3)
+    return model
 
 
 def random_queries(batch: TableBatch, share: float, seed: int) -> TableBatch:
@@ -36,7 +41,8 @@ def random_queries(batch: TableBatch, share: float, seed: int) -> TableBatch:
     cells = batch.row_valid[:, :, None] & batch.col_valid[:, None, :]
     query = (torch.rand(batch.x.shape, generator=g) < share) & cells & ~torch.isnan(batch.x)
     return TableBatch(x=batch.x, kind=batch.kind, cardinality=batch.cardinality, row_valid=batch.row_valid,
-                      col_valid=batch.col_valid, context=batch.context, query=query | batch.query)
+                      col_valid=batch.col_valid, context=batch.context, query=query | batch.query,
+                      feature_ref=batch.feature_ref)
 
 
 def shuffled(batch: TableBatch, seed: int) -> TableBatch:
@@ -44,14 +50,14 @@ def shuffled(batch: TableBatch, seed: int) -> TableBatch:
     order = torch.randperm(batch.x.shape[1], generator=torch.Generator().manual_seed(seed))
     return TableBatch(x=batch.x[:, order], kind=batch.kind, cardinality=batch.cardinality,
                       row_valid=batch.row_valid[:, order], col_valid=batch.col_valid, context=batch.context[:, order],
-                      query=batch.query[:, order])
+                      query=batch.query[:, order], feature_ref=batch.feature_ref)
 
 
 def all_context(batch: TableBatch, seed: int) -> TableBatch:
     """Every row context, hidden cells anywhere (the imputer's question): no row is only a query row."""
     full = TableBatch(x=batch.x.nan_to_num(0.5), kind=batch.kind, cardinality=batch.cardinality,
                       row_valid=batch.row_valid, col_valid=batch.col_valid, context=batch.row_valid.clone(),
-                      query=torch.zeros_like(batch.query))
+                      query=torch.zeros_like(batch.query), feature_ref=batch.feature_ref)
     full.x[:] = torch.where(full.kind[:, None, :] == 2, full.x.floor().clamp(min=0), full.x)
     return random_queries(full, 0.2, seed)
 
@@ -100,8 +106,9 @@ def test_float32_bits_is_the_encoders_bit_pattern():
     assert torch.equal(ox.float32_bits(x.float()), _value_bits(x.float()))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_thinking_rows": 2}, {"code_ids": "per_column", "n_layers": 2}],
-                         ids=["shipped-like", "thinking-rows", "per-column-codes"])
+@pytest.mark.parametrize("overrides", [{}, {"n_thinking_rows": 2}, {"code_ids": "per_column", "n_layers": 2},
+                                       {"context_features": "knn-linear", "context_refs": True}],
+                         ids=["shipped-like", "thinking-rows", "per-column-codes", "context-refs"])
 def test_graph_module_equals_the_model_in_torch(overrides):
     """ExportableTabFM (no keys-first reorder, no nonzero, fixed code width, arithmetic bit patterns)
     computes model(batch)'s numbers for the query cells, before any export."""
@@ -118,7 +125,7 @@ def test_graph_module_equals_the_model_in_torch(overrides):
             feeds = ox.graph_inputs(batch, id_seed)
             with torch.inference_mode():
                 ref = model(batch, id_seed=id_seed)
-                got = graph(*(torch.from_numpy(np.array(feeds[n])) for n in ox.INPUTS))
+                got = graph(*(torch.from_numpy(np.array(feeds[n])) for n in ox.graph_input_names(cfg)))
             for name, tensor in zip(FIELDS, got):
                 a, t = getattr(ref, name), tensor
                 finite = torch.isfinite(a)
@@ -325,3 +332,23 @@ def test_export_command_writes_the_checked_graph(exported, tmp_path, monkeypatch
             cli.main(argv)
         assert stop.value.code == 2
         assert capsys.readouterr().err.startswith("tabfm export: error: ")
+
+
+def test_a_model_with_context_refs_exports_its_reference_input():
+    """A context_refs model's graph takes TableBatch.feature_ref as one more input and answers as torch
+    on batches whose columns estimate the target (export's own check), and the references matter."""
+    model = small_model(3, context_features="knn-linear", context_refs=True)
+    data, result = ox.export_onnx(model)
+    assert result.ok
+    graph = ox.OnnxModel(data)
+    assert graph.inputs == ox.INPUTS + (ox.REF_INPUT,)
+    batch = ox._example(model.config, 2, 30, 7, seed=9, missing=0.1)
+    assert (batch.feature_ref[..., 0] >= 0).any()
+    plain = TableBatch(x=batch.x, kind=batch.kind, cardinality=batch.cardinality, row_valid=batch.row_valid,
+                       col_valid=batch.col_valid, context=batch.context, query=batch.query)
+    with torch.inference_mode():
+        ref, ref_plain = model(batch), model(plain)
+    got, got_plain = graph(batch), graph(plain)
+    for a, b in ((ref, got), (ref_plain, got_plain)):
+        torch.testing.assert_close(b.num_logits, a.num_logits, atol=1e-4, rtol=1e-4)
+    assert (ref.num_logits - ref_plain.num_logits).abs().max() > 1e-3

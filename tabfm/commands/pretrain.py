@@ -128,6 +128,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
                    help="recompute every block's activations in backward instead of keeping them: activation "
                         "memory of one block for ~1/3 more compute; every plugin but gemini")
+    p.add_argument("--context-refs", dest="context_refs", action="store_true",
+                   help="the model also learns what each context-feature column estimates (the target column, "
+                        "the class whose share it is, the estimator): ModelConfig.context_refs; needs context "
+                        "features; from an --init without them they start at zero (default: the init's, else off)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block (dynamic shapes) before the engine wraps the model; every "
                         "plugin but gemini, not with --tp or --pp. Off by default: pays only on long runs, "
@@ -160,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["activation_checkpointing"] = True
     if args.init is not None and args.context_features is None:
         overrides["context_features"] = _init_context_features(args.init, quiet=args.quiet)
+    if args.context_refs or (args.init is not None and _init_model(args.init).get("context_refs", False)):
+        overrides["context_refs"] = True
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
     main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart, bar=show_progress(args))
@@ -171,16 +177,20 @@ def run(args: argparse.Namespace) -> int:
 def _init_context_features(init: str, quiet: bool = False) -> str:
     """The context features `--init`'s model was trained with: a warm start keeps the init's input
     contract unless --context-features names another (a run may teach the init new columns)."""
-    import json
-
-    from tabfm.weights import CONFIG_FILE, resolve_model_path
-
-    config = json.loads((resolve_model_path(init) / CONFIG_FILE).read_text())
-    name = config.get("model", {}).get("context_features", "none")
+    name = _init_model(init).get("context_features", "none")
     if name != "none" and not quiet:
         print(f"pretrain: --init {init} was trained with context features {name!r}; this run keeps them "
               f"(--context-features none to drop them)", flush=True)
     return name
+
+
+def _init_model(init: str) -> dict:
+    """The ModelConfig fields (as saved) of `--init`'s model."""
+    import json
+
+    from tabfm.weights import CONFIG_FILE, resolve_model_path
+
+    return json.loads((resolve_model_path(init) / CONFIG_FILE).read_text()).get("model", {})
 
 
 def _train(cfg: "PretrainConfig", out: str, progress: bool, restart: bool = False,

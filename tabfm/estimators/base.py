@@ -315,10 +315,11 @@ class TabFMEstimator(BaseEstimator):
 
     # ------------------------------------------------------------------ running
     def _predict(self, rt: Runtime, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
-                 kind: np.ndarray, cardinality: np.ndarray, fn: CellFn) -> np.ndarray:
+                 kind: np.ndarray, cardinality: np.ndarray, fn: CellFn,
+                 feature_ref: np.ndarray | None = None) -> np.ndarray:
         return predict_rows(rt.model, context_x, query_x, query_mask, kind, cardinality, fn,
                             chunk_size=self.chunk_size, device=rt.device, autocast_dtype=rt.autocast,
-                            id_seed=rt.id_seed)
+                            id_seed=rt.id_seed, feature_ref=feature_ref)
 
     def _finite(self, values: np.ndarray, what: str) -> np.ndarray:
         """`values` (the estimator's answer) if every entry is finite; otherwise refuse to answer."""
@@ -329,9 +330,11 @@ class TabFMEstimator(BaseEstimator):
                              "to answer with them")
         return values
 
-    def _context(self, rt: Runtime, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray) -> ContextPredictor:
+    def _context(self, rt: Runtime, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+                 feature_ref: np.ndarray | None = None) -> ContextPredictor:
         """A context encoded once, for many `predict` calls (see tabfm.inference.ContextPredictor)."""
-        return context_predictor(rt.model, context_x, kind, cardinality, rt.device, rt.autocast, rt.id_seed)
+        return context_predictor(rt.model, context_x, kind, cardinality, rt.device, rt.autocast, rt.id_seed,
+                                 feature_ref)
 
 
 class SupervisedTabFMEstimator(TabFMEstimator):
@@ -421,8 +424,9 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         feature columns (see tabfm.data.neighbors and tabfm.estimators.linear).
         """
         context_x, query_x, kind, cardinality = view.ctx, view.query, view.kind, view.card
+        refs = None
         if rt.context_features != "none":  # exactly the columns its pretraining episodes carried
-            context_x, query_x, kind, cardinality = append_context_features(
+            context_x, query_x, kind, cardinality, refs = append_context_features(
                 context_x, query_x, kind, cardinality, context_y, n_classes, rt.context_features,
                 np.random.default_rng([rt.id_seed, 1]), design=(view.source_kind, view.source_card))
             feature_targets = None
@@ -444,4 +448,4 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         qx, _, _ = with_target(query_x, None, kind, cardinality, n_classes)
         mask = np.zeros(qx.shape, dtype=bool)
         mask[:, -1] = True
-        return self._predict(rt, ctx, qx, mask, kind_t, card_t, fn)
+        return self._predict(rt, ctx, qx, mask, kind_t, card_t, fn, refs)

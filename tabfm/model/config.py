@@ -82,6 +82,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     cells_per_token: int = 1
     context_features: str = "none"
+    context_refs: bool = False
     moe_experts: int = 0
     moe_top_k: int = 1
     moe_every: int = 1
@@ -131,6 +132,9 @@ class ModelConfig:
         need(self.norm_eps > 0, "norm_eps", "must be > 0")
         need(self.context_features in CONTEXT_FEATURES, "context_features",
              f"must be one of {', '.join(CONTEXT_FEATURES)}")
+        need(isinstance(self.context_refs, bool), "context_refs", "must be True or False")
+        need(not self.context_refs or self.context_features != "none", "context_refs",
+             "needs context features to refer to (context_features is 'none')")
         need(self.moe_experts >= 0, "moe_experts", "must be >= 0 (0: dense MLPs)")
         need(self.moe_top_k >= 1, "moe_top_k", "must be >= 1")
         need(self.moe_top_k <= max(self.moe_experts, 1), "moe_top_k",

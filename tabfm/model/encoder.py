@@ -14,6 +14,10 @@ What a token carries, and why:
 - a state embedding: observed / missing (NaN) / hidden (query cell), per kind.
 - a column identity: a random Gaussian vector per (table, column), projected, added to
   every cell of the column; it tells columns apart without any notion of column position.
+- with `context_refs`, a context-feature column's identity also says what it estimates
+  (TableBatch.feature_ref): the estimated column's identity vector, the class code's identity
+  vector (the one the categorical head scores that class with), and its estimator, each
+  projected; the projections start at zero.
 
 Random vectors come from a counter-based integer hash (vectorised, same on every device)
 of a per-column seed. In eval mode the seed is a hash of the column's visible context content (kind, cardinality, values), so predictions are
@@ -31,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from tabfm.data.batch import CATEGORICAL, NUMERIC, TableBatch
+from tabfm.data.context_features import MAX_ESTIMATORS
 
 from .config import FIXED_CODE_SEED, ModelConfig
 
@@ -158,6 +163,12 @@ class CellEncoder(nn.Module):
         self.thinking = nn.Parameter(torch.empty(config.n_thinking_rows, d))
         nn.init.normal_(self.state.weight, std=0.5)
         nn.init.normal_(self.thinking, std=0.5)
+        if config.context_refs:  # what a context-feature column estimates; zero: a no-op until trained
+            self.ref_column = nn.Linear(e, d, bias=False)
+            self.ref_code = nn.Linear(e, d, bias=False)
+            self.ref_estimator = nn.Embedding(MAX_ESTIMATORS, d)
+            for w in (self.ref_column.weight, self.ref_code.weight, self.ref_estimator.weight):
+                nn.init.zeros_(w)
 
     def column_seeds(self, batch: TableBatch, sums: ColumnSums, id_seed: int = 0) -> torch.Tensor:
         """int64 (B, C) seeds in [0, 2**32): a hash of content (eval) or a random draw (train).
@@ -212,6 +223,8 @@ class CellEncoder(nn.Module):
         tokens = tokens + z[..., None] * self.value
 
         col_tok = self.column(col_vec)[:, None]  # (B, 1, C, d)
+        if self.config.context_refs:
+            col_tok = col_tok + self.reference(batch.feature_ref, col_vec, code_vec)[:, None]
         code_tok = self.code(code_vec)  # (B, C, K, d)
         is_cat = (kind == CATEGORICAL) & ~missing
         codes = torch.where(is_cat, x, 0.0).long()  # (B, R, C); every cell looks up a code, numeric ones masked out
@@ -225,6 +238,19 @@ class CellEncoder(nn.Module):
         else:
             tokens = tokens + col_tok
         return tokens
+
+    def reference(self, feature_ref: torch.Tensor, col_vec: torch.Tensor, code_vec: torch.Tensor) -> torch.Tensor:
+        """(B, C, d) what each context-feature column estimates (zero for every other column): the
+        estimated column's identity, the estimated class code's identity, the estimator's vector."""
+        b, c, _ = feature_ref.shape
+        col, code, est = feature_ref.unbind(-1)
+        marked = (col >= 0)[..., None]
+        bi = torch.arange(b, device=col.device)[:, None]
+        target = col.clamp(min=0)
+        tok = self.ref_column(col_vec[bi, target]) + self.ref_estimator(est.clamp(min=0))
+        code_id = code_vec[bi, target, code.clamp(min=0, max=code_vec.shape[2] - 1)]
+        tok = tok + self.ref_code(code_id) * (code >= 0)[..., None].to(tok.dtype)
+        return tok * marked.to(tok.dtype)
 
     def forward(self, batch: TableBatch, id_seed: int = 0) -> tuple[torch.Tensor, ColumnFacts]:
         """(tokens with the thinking rows first, the column facts) of a batch."""

@@ -9,6 +9,9 @@ Cells per token (`group_cells`): a G = 1 model becomes a G > 1 one (tabfm/model/
 whose blocks, encoder and heads keep their weights; a token starts as the sum of its cells'
 embeddings and every cell reads its token's final state. Exact only where a token holds a
 single cell (one-column tables); elsewhere it is a starting point that training must adapt.
+
+Context references (`add_context_refs`): a model without `ModelConfig.context_refs` gains the
+encoder's reference projections at zero, so it computes exactly its function at the start.
 """
 from __future__ import annotations
 
@@ -60,3 +63,16 @@ def group_cells(state: dict[str, torch.Tensor], d_model: int, cells_per_token: i
     return {**state,
             "grouper.pack_proj.weight": eye.repeat(1, cells_per_token),  # (d, G*d): sum of the G cells
             "grouper.unpack_proj.weight": eye.repeat(cells_per_token, 1)}  # (G*d, d): each slot = the token
+
+
+def add_context_refs(state: dict[str, torch.Tensor], d_model: int, id_dim: int) -> dict[str, torch.Tensor]:
+    """A state dict for the same model with `context_refs` on: the encoder's reference projections
+    (tabfm/model/encoder.py) at zero."""
+    from tabfm.data.context_features import MAX_ESTIMATORS
+
+    if any(k.startswith("encoder.ref_") for k in state):
+        raise ValueError("the weights already hold context-reference projections (encoder.ref_*)")
+    return {**state,
+            "encoder.ref_column.weight": torch.zeros(d_model, id_dim),
+            "encoder.ref_code.weight": torch.zeros(d_model, id_dim),
+            "encoder.ref_estimator.weight": torch.zeros(MAX_ESTIMATORS, d_model)}

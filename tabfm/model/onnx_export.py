@@ -63,6 +63,7 @@ METADATA_KEY = "tabfm"  # metadata_props entry: the ModelConfig and the graph's 
 FORMAT = "tabfm.onnx"
 FORMAT_VERSION = 1
 INPUTS = ("x", "kind", "cardinality", "row_valid", "col_valid", "keys", "query", "index", "id_seed")
+REF_INPUT = "feature_ref"  # one more input for a model with context_refs (TableBatch.feature_ref, (B, C, 3))
 OUTPUTS = ("cat_logits", "num_logits", "cell_mean", "cell_std")  # graph outputs: ModelOutput's
 FIELDS = ("cat_logits", "num_logits", "mean", "std")  # ... fields of the same names (mean, std: the column's)
 INSTALL_HINT = 'the ONNX backend needs onnx, onnxruntime and onnxscript: pip install "tabfm[onnx]"'
@@ -185,10 +186,14 @@ class ExportableTabFM(nn.Module):
 
     def forward(self, x: torch.Tensor, kind: torch.Tensor, cardinality: torch.Tensor, row_valid: torch.Tensor,
                 col_valid: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, index: torch.Tensor,
-                id_seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                id_seed: torch.Tensor, feature_ref: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         model, t = self.model, self.model.config.n_thinking_rows
+        if feature_ref is None:  # a model without context_refs reads none: any placeholder will do
+            feature_ref = torch.full((1, 1, 3), -1, dtype=torch.int64, device=x.device)
         batch = _Shaped(x=x, kind=kind, cardinality=cardinality, row_valid=row_valid, col_valid=col_valid,
-                        context=row_valid, query=query)  # `context` is read by nothing below: `keys` says it
+                        context=row_valid, query=query,  # `context` is read by nothing below: `keys` says it
+                        feature_ref=feature_ref)
         b, r, c = batch.shape
         k = keys.shape[1]
         visible = _visible(batch)
@@ -262,8 +267,18 @@ def _example(config: ModelConfig, n_tables: int, n_rows: int, n_cols: int, seed:
     query[:, n_context:, -1] = True
     query &= row_valid[:, :, None]
     x[:, n_context:, -1] = x[:, n_context:, -1].nan_to_num(0.0)  # targets of query cells are known values
+    ref = torch.full((n_tables, n_cols, 3), -1, dtype=torch.int64)
+    if config.context_refs:  # numeric columns as context features of the target, classes and estimators in turn
+        for j in range(n_cols - 1):
+            marked = kind[:, j] == 1
+            ref[marked, j] = torch.tensor([n_cols - 1, j % int(card[0, -1]), j % 3])
     return TableBatch(x=x, kind=kind, cardinality=card.long(), row_valid=row_valid, col_valid=col_valid,
-                      context=context, query=query)
+                      context=context, query=query, feature_ref=ref)
+
+
+def graph_input_names(config: ModelConfig) -> tuple[str, ...]:
+    """The graph's inputs: `INPUTS`, and `REF_INPUT` for a model with context_refs."""
+    return INPUTS + ((REF_INPUT,) if config.context_refs else ())
 
 
 def graph_inputs(batch: TableBatch, id_seed: int = 0) -> dict[str, np.ndarray]:
@@ -288,7 +303,8 @@ def graph_inputs(batch: TableBatch, id_seed: int = 0) -> dict[str, np.ndarray]:
             "col_valid": batch.col_valid.cpu().numpy(),
             "keys": np.take_along_axis(is_key, order, axis=1)[:, :n_keys],
             "query": np.take_along_axis(query, order[:, :, None], axis=1),
-            "index": index, "id_seed": np.asarray(int(id_seed), dtype=np.int64)}
+            "index": index, "id_seed": np.asarray(int(id_seed), dtype=np.int64),
+            REF_INPUT: batch.feature_ref.cpu().numpy().astype(np.int64, copy=False)}
 
 
 @dataclass
@@ -351,10 +367,12 @@ def export_onnx(model: TabFM, path: str | PathLike | None = None, max_codes: int
     wrapper = ExportableTabFM(model, max_codes).eval()
     example = _example(model.config, 2, 9, 4, seed=0, missing=0.2)
     feeds = graph_inputs(example)
-    args = tuple(torch.from_numpy(np.array(feeds[n])) for n in INPUTS)  # np.array keeps 0-d id_seed 0-d
+    names = graph_input_names(model.config)
+    args = tuple(torch.from_numpy(np.array(feeds[n])) for n in names)  # np.array keeps 0-d id_seed 0-d
     tables, rows, cols, keys, cells = (torch.export.Dim(n) for n in ("tables", "rows", "columns", "keys", "cells"))
     dynamic = ({0: tables, 1: rows, 2: cols}, {0: tables, 1: cols}, {0: tables, 1: cols}, {0: tables, 1: rows},
-               {0: tables, 1: cols}, {0: tables, 1: keys}, {0: tables, 1: rows, 2: cols}, {0: cells}, None)
+               {0: tables, 1: cols}, {0: tables, 1: keys}, {0: tables, 1: rows, 2: cols}, {0: cells}, None,
+               {0: tables, 1: cols})[:len(names)]
     was_training = model.training
     model.eval()
     log = logging.getLogger("torch.onnx")  # its notes on skipped torchvision ops and the like
@@ -363,7 +381,7 @@ def export_onnx(model: TabFM, path: str | PathLike | None = None, max_codes: int
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(wrapper, args, dynamo=True, dynamic_shapes=dynamic, input_names=list(INPUTS),
+            program = torch.onnx.export(wrapper, args, dynamo=True, dynamic_shapes=dynamic, input_names=list(names),
                                         output_names=list(OUTPUTS), opset_version=OPSET, verbose=False,
                                         optimize=True, custom_translation_table={
                                             torch.ops.aten.scaled_dot_product_attention.default:
@@ -373,7 +391,7 @@ def export_onnx(model: TabFM, path: str | PathLike | None = None, max_codes: int
         model.train(was_training)
     proto = program.model_proto
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "model": model.config.to_dict(), "max_codes": int(max_codes),
-            "inputs": list(INPUTS), "outputs": list(OUTPUTS), "torch": torch.__version__, "opset": OPSET}
+            "inputs": list(names), "outputs": list(OUTPUTS), "torch": torch.__version__, "opset": OPSET}
     onnx.helper.set_model_props(proto, {METADATA_KEY: json.dumps(meta, sort_keys=True)})
     data = proto.SerializeToString()
     result = None
@@ -418,6 +436,7 @@ class OnnxModel:
                              f"its metadata says format={meta.get('format')!r}, version={meta.get('version')!r}")
         self.config = ModelConfig.from_dict(meta["model"])
         self.max_codes = int(meta["max_codes"])
+        self.inputs = tuple(i.name for i in self.session.get_inputs())
         self.threads = options.intra_op_num_threads
         self.bar = BarDistribution.from_range(self.config.n_bins, self.config.bin_range)
         self.where = where
@@ -440,7 +459,7 @@ class OnnxModel:
             cat, num = np.zeros((0, k), np.float32), np.zeros((0, self.config.n_bins), np.float32)
             mean = std = np.zeros(0, np.float64)
         else:
-            cat, num, mean, std = self.session.run(list(OUTPUTS), feeds)
+            cat, num, mean, std = self.session.run(list(OUTPUTS), {n: feeds[n] for n in self.inputs})
         index = batch.query.detach().cpu().nonzero()  # the caller's row numbers (feeds["index"]: keys-first rows)
         bi, ci = feeds["index"][:, 0], feeds["index"][:, 2]
         return ModelOutput(index=index, cat_logits=torch.from_numpy(cat), num_logits=torch.from_numpy(num),

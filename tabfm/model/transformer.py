@@ -96,6 +96,7 @@ def _keys_first(batch: TableBatch) -> tuple[TableBatch, torch.Tensor | None]:
         col_valid=batch.col_valid,
         context=batch.context.gather(1, order),
         query=batch.query.gather(1, idx3),
+        feature_ref=batch.feature_ref,
     )
     return moved, pos
 

@@ -37,24 +37,29 @@ class KeepsContexts:
     def _encoded(self) -> dict:
         return self.__dict__.setdefault("_encoded_contexts", {})
 
-    def _context(self, rt: Any, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray) -> ContextPredictor:
+    def _context(self, rt: Any, context_x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+                 feature_ref: np.ndarray | None = None) -> ContextPredictor:
         x = np.ascontiguousarray(context_x, dtype=np.float32)
         digest = hashlib.blake2b(x.tobytes(), digest_size=16)
-        for part in (np.asarray(kind, np.int64), np.asarray(cardinality, np.int64)):
+        parts = [np.asarray(kind, np.int64), np.asarray(cardinality, np.int64)]
+        if feature_ref is not None:
+            parts.append(np.asarray(feature_ref, np.int64))
+        for part in parts:
             digest.update(np.ascontiguousarray(part).tobytes())
-        key = (rt.id_seed, str(rt.device), str(rt.autocast), x.shape, digest.hexdigest())
+        key = (rt.id_seed, str(rt.device), str(rt.autocast), x.shape, feature_ref is None, digest.hexdigest())
         store = self._encoded()
         hit = store.get(key)
         if hit is None:
-            hit = store[key] = super()._context(rt, x, kind, cardinality)
+            hit = store[key] = super()._context(rt, x, kind, cardinality, feature_ref)
         return hit
 
     def _predict(self, rt: Any, context_x: np.ndarray, query_x: np.ndarray, query_mask: np.ndarray,
-                 kind: np.ndarray, cardinality: np.ndarray, fn: Any) -> np.ndarray:
+                 kind: np.ndarray, cardinality: np.ndarray, fn: Any, feature_ref: np.ndarray | None = None) -> np.ndarray:
         # tabfm.inference.predict_rows, with the context from _context
         if not np.asarray(query_mask).any():
             return np.empty((0,))
-        return self._context(rt, context_x, kind, cardinality).predict(query_x, query_mask, fn, self.chunk_size)
+        return self._context(rt, context_x, kind, cardinality, feature_ref).predict(query_x, query_mask, fn,
+                                                                                    self.chunk_size)
 
     def encoded_bytes(self) -> int:
         """Bytes the kept encodings hold."""

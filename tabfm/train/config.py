@@ -42,6 +42,8 @@ class PretrainConfig:
     context_features  extra columns every prediction episode carries (tabfm.data.context_features:
                    "none", "knn-linear" = neighbour means at k = 5, 20 + a ridge score, "knn"); they
                    are recorded in the model's config, so the estimators show the model the same
+    context_refs   ModelConfig.context_refs: the model also learns what each context-feature column
+                   estimates (target column, class, estimator); from an init without them, they start at zero
     steps          optimizer steps of the whole run (also the length of the cosine schedule)
     max_minutes    wall-clock budget of this invocation; on expiry it checkpoints and exports
     threads        torch intra-op threads (None: torch's default); on a busy 2-core machine 1 is fastest
@@ -100,6 +102,7 @@ class PretrainConfig:
     moe_experts: int = 0
     moe_top_k: int = 1
     context_features: str = "none"
+    context_refs: bool = False
     stream: str = "pretrain"
     data: str | None = None
     data_share: float | None = None
@@ -317,4 +320,5 @@ def run_model_config(train: "PretrainConfig | dict[str, Any]") -> ModelConfig:
     extra = {"n_layers": t["n_layers"]} if t.get("n_layers") is not None else {}
     return ModelConfig.preset(t["model"], cells_per_token=t.get("cells_per_token", 1),
                               context_features=t.get("context_features", "none"),
+                              context_refs=t.get("context_refs", False),
                               moe_experts=t.get("moe_experts", 0), moe_top_k=t.get("moe_top_k", 1), **extra)

@@ -31,7 +31,7 @@ from tabfm.data.table_episodes import EpisodeConfig
 from tabfm.synth.dataset import SynthDataset, SynthLoader
 from tabfm.synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
-from tabfm.model.growth import group_cells, grow_depth
+from tabfm.model.growth import add_context_refs, group_cells, grow_depth
 from tabfm.train.config import PretrainConfig, resolve_precision, run_model_config
 from tabfm.train.evaluate import sklearn_eval, synthetic_eval
 from tabfm.train.mixed_data import MixedBatches
@@ -115,10 +115,10 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     saved_path = out / TRAIN_CONFIG
     if saved_path.exists():
         saved = read_json(saved_path)
-        defaults = {"cells_per_token": 1, "context_features": "none", "microbatches": 1, "moe_experts": 0,
-                    "moe_top_k": 1}
+        defaults = {"cells_per_token": 1, "context_features": "none", "context_refs": False, "microbatches": 1,
+                    "moe_experts": 0, "moe_top_k": 1}
         for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer", "context_features",
-                    "microbatches", "moe_experts", "moe_top_k"):
+                    "context_refs", "microbatches", "moe_experts", "moe_top_k"):
             if saved.get(key, defaults.get(key)) != getattr(cfg, key):
                 raise ValueError(
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
@@ -170,8 +170,8 @@ def announce_resume(out: Path, trainer: Trainer, plugin: Plugin) -> None:
 
 def warm_start(model: TabFM, init: str) -> None:
     """Copy weights from an export (path or shipped name) into `model`; the model configs must agree,
-    except that `model` may have more blocks (the init's blocks are repeated) and, from a G = 1
-    init, more cells per token (tabfm.model.growth)."""
+    except that `model` may have more blocks (the init's blocks are repeated), from a G = 1 init,
+    more cells per token, and context references the init lacks (tabfm.model.growth)."""
     from tabfm.weights import resolve_model_path  # the estimator-side loader knows shipped names
 
     path = resolve_model_path(init)
@@ -183,6 +183,9 @@ def warm_start(model: TabFM, init: str) -> None:
     if "cells_per_token" in diff and theirs.get("cells_per_token") == 1:
         state = group_cells(state, ours["d_model"], ours["cells_per_token"])
         diff.pop("cells_per_token")
+    if diff.get("context_refs") == (True, False):  # the init learns what its feature columns estimate
+        state = add_context_refs(state, ours["d_model"], ours["id_dim"])
+        diff.pop("context_refs")
     if set(diff) == {"n_layers"} and theirs["n_layers"] < ours["n_layers"]:
         state = grow_depth(state, theirs["n_layers"], ours["n_layers"])
     elif diff:
