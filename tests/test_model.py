@@ -12,7 +12,7 @@ from tabfm.parallel.plan import ParallelPlan
 from tabfm.model import BarDistribution, ModelConfig, ModelOutput, TabFM, masked_cell_loss
 from tabfm.model import predict as P
 from tabfm.model.attention import RowAttention, RowKeys
-from tabfm.model.encoder import ContextStatistics, hash_normal
+from tabfm.model.encoder import ContextStatistics, hash_normal, squash
 
 torch.set_num_threads(1)  # small tensors; avoids thread contention on shared 2-core machines
 
@@ -580,3 +580,35 @@ def test_attend_bf16_paths_match_sdpa(keys):
     got = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.0)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
+
+
+def test_context_estimates_reach_the_cell_they_estimate_by_hand():
+    """encoder.estimates: a class share adds value x W[estimator] @ (class identity) to the target
+    cell of its row; a numeric estimate its value standardised on the target column's context,
+    times the estimator's vector; nothing anywhere else."""
+    m = refs_model(2)
+    enc = m.encoder
+    batch = with_refs(make_batch(b=1, c=6, seed=3))
+    ref = batch.feature_ref.clone()
+    numeric = [j for j in range(3, 6) if int(batch.kind[0, j]) == 1 and j != 0]
+    if numeric:  # a numeric column estimating column 0 (numeric) with estimator 1
+        ref[0, numeric[0]] = torch.tensor([0, -1, 1])
+    batch.feature_ref = ref
+    batch.validate()
+    x = batch.visible_x()
+    facts = enc.columns(batch, x=x)
+    got = enc.estimates(batch.feature_ref, x, facts.mean, facts.std, facts.code_vectors)
+    want = torch.zeros_like(got)
+    for j in range(6):
+        col, code, est = ref[0, j].tolist()
+        if col < 0:
+            continue
+        v = torch.nan_to_num(x[0, :, j], nan=0.0)
+        if code >= 0:
+            vec = enc.ref_value_class[est] @ facts.code_vectors[0, col, code]
+        else:
+            v = squash((v.double() - facts.mean[0, col]) / facts.std[0, col]).float()
+            vec = enc.ref_value_num[est]
+        want[0, :, col] += v[:, None] * vec[None, :]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got[0, :, [c for c in range(6) if c not in ref[0, :, 0].tolist()]].abs().max() == 0

@@ -17,7 +17,9 @@ What a token carries, and why:
 - with `context_refs`, a context-feature column's identity also says what it estimates
   (TableBatch.feature_ref): the estimated column's identity vector, the class code's identity
   vector (the one the categorical head scores that class with), and its estimator, each
-  projected; the projections start at zero.
+  projected; and the estimate itself reaches the cell it estimates: the column's value times a
+  learned map of its estimator and class (a direct path from "share of class k" to the target
+  cell, which the head scores against class k's identity). All of them start at zero.
 
 Random vectors come from a counter-based integer hash (vectorised, same on every device)
 of a per-column seed. In eval mode the seed is a hash of the column's visible context content (kind, cardinality, values), so predictions are
@@ -167,6 +169,9 @@ class CellEncoder(nn.Module):
             self.ref_column = nn.Linear(e, d, bias=False)
             self.ref_code = nn.Linear(e, d, bias=False)
             self.ref_estimator = nn.Embedding(MAX_ESTIMATORS, d)
+            # the estimate itself, into the estimated cell: value x (estimator's map of the class identity)
+            self.ref_value_class = nn.Parameter(torch.zeros(MAX_ESTIMATORS, d, e))
+            self.ref_value_num = nn.Parameter(torch.zeros(MAX_ESTIMATORS, d))
             for w in (self.ref_column.weight, self.ref_code.weight, self.ref_estimator.weight):
                 nn.init.zeros_(w)
 
@@ -232,6 +237,9 @@ class CellEncoder(nn.Module):
         ci = torch.arange(c, device=x.device)[None, None, :]
         tokens = tokens + code_tok[bi, ci, codes] * is_cat[..., None].to(code_tok.dtype)
 
+        if self.config.context_refs:
+            tokens = tokens + self.estimates(batch.feature_ref, x, mean, std, code_vec).to(tokens.dtype)
+
         if thinking:  # the thinking rows lead; with n_thinking_rows = 0 an empty block (still in the graph)
             think = self.thinking[None, :, None, :] + col_tok  # (B, T, C, d)
             tokens = torch.cat([think.to(tokens.dtype), tokens + col_tok], dim=1)
@@ -251,6 +259,30 @@ class CellEncoder(nn.Module):
         code_id = code_vec[bi, target, code.clamp(min=0, max=code_vec.shape[2] - 1)]
         tok = tok + self.ref_code(code_id) * (code >= 0)[..., None].to(tok.dtype)
         return tok * marked.to(tok.dtype)
+
+    def estimates(self, feature_ref: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                  code_vec: torch.Tensor) -> torch.Tensor:
+        """(B, R, C, d) what the context features say, added to the cells they estimate: each feature
+        column's value times a vector of its estimator and class (a share of class k moves the target
+        cell towards class k's identity); a numeric target's estimate standardised and squashed on
+        the target column's own scale. Zero where no feature column points."""
+        b, r, c = x.shape
+        d = self.state.weight.shape[1]
+        col, code, est = feature_ref.unbind(-1)
+        marked = col >= 0
+        target, est = col.clamp(min=0), est.clamp(min=0)
+        is_class, is_num = marked & (code >= 0), marked & (code < 0)
+        bi = torch.arange(b, device=x.device)[:, None]
+        code_id = code_vec[bi, target, code.clamp(min=0, max=code_vec.shape[2] - 1)]  # (B, C, e)
+        proj = torch.einsum("bcde,bce->bcd", self.ref_value_class[est], code_id.to(self.ref_value_class.dtype))
+        proj = proj * is_class[..., None].to(proj.dtype) + self.ref_value_num[est] * is_num[..., None].to(proj.dtype)
+        value = torch.nan_to_num(x, nan=0.0)
+        t_mean, t_std = mean.gather(1, target)[:, None, :], std.gather(1, target)[:, None, :]
+        z = squash(((value.double() - t_mean) / t_std).clamp(-Z_LIMIT, Z_LIMIT)).float()
+        value = torch.where(is_num[:, None, :], z, value) * marked[:, None, :].to(value.dtype)  # (B, R, C)
+        contrib = value[..., None] * proj[:, None].to(value.dtype)  # (B, R, C, d)
+        index = target[:, None, :, None].expand(b, r, c, d)
+        return torch.zeros_like(contrib).scatter_add(2, index, contrib)
 
     def forward(self, batch: TableBatch, id_seed: int = 0) -> tuple[torch.Tensor, ColumnFacts]:
         """(tokens with the thinking rows first, the column facts) of a batch."""

@@ -75,4 +75,6 @@ def add_context_refs(state: dict[str, torch.Tensor], d_model: int, id_dim: int) 
     return {**state,
             "encoder.ref_column.weight": torch.zeros(d_model, id_dim),
             "encoder.ref_code.weight": torch.zeros(d_model, id_dim),
-            "encoder.ref_estimator.weight": torch.zeros(MAX_ESTIMATORS, d_model)}
+            "encoder.ref_estimator.weight": torch.zeros(MAX_ESTIMATORS, d_model),
+            "encoder.ref_value_class": torch.zeros(MAX_ESTIMATORS, d_model, id_dim),
+            "encoder.ref_value_num": torch.zeros(MAX_ESTIMATORS, d_model)}
