@@ -48,6 +48,13 @@ class ModelConfig:
                             columns every prediction episode of its pretraining carried. Not
                             architecture (the weights do not depend on it) but part of the input
                             contract: the estimators build the same columns for such a model.
+    context_refs            True: the model also reads what each context-feature column estimates
+                            (TableBatch.feature_ref): the encoder adds to its identity projections of
+                            the target column's identity, the class code's identity vector and a learned
+                            vector per estimator, and adds each estimate to the cell it estimates, so a
+                            one-pass multi-class prediction knows which column speaks for which class.
+                            All of it starts at zero: a warm start from a model without them computes
+                            exactly its function (tabfm.model.growth.add_context_refs).
     cells_per_token         G: the blocks run on tokens of G cells of a row (TabPFN v2 packs 2),
                             so attention and MLPs cost ~1/G per cell. Which cells share a token
                             follows the columns' identity vectors (content-derived in eval mode,
