@@ -597,7 +597,7 @@ def test_context_estimates_reach_the_cell_they_estimate_by_hand():
     batch.validate()
     x = batch.visible_x()
     facts = enc.columns(batch, x=x)
-    got = enc.estimates(batch.feature_ref, x, facts.mean, facts.std, facts.code_vectors)
+    got = enc.estimates(enc.refs(batch.feature_ref, facts.code_vectors), x, facts.mean, facts.std)
     want = torch.zeros_like(got)
     for j in range(6):
         col, code, est = ref[0, j].tolist()

@@ -162,9 +162,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["compile"] = True
     if args.activation_checkpointing:
         overrides["activation_checkpointing"] = True
+    init = _init_model(args.init) if args.init is not None else {}
     if args.init is not None and args.context_features is None:
-        overrides["context_features"] = _init_context_features(args.init, quiet=args.quiet)
-    if args.context_refs or (args.init is not None and _init_model(args.init).get("context_refs", False)):
+        overrides["context_features"] = _init_context_features(args.init, init, quiet=args.quiet)
+    if args.context_refs or init.get("context_refs", False):
         overrides["context_refs"] = True
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
@@ -174,10 +175,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _init_context_features(init: str, quiet: bool = False) -> str:
-    """The context features `--init`'s model was trained with: a warm start keeps the init's input
-    contract unless --context-features names another (a run may teach the init new columns)."""
-    name = _init_model(init).get("context_features", "none")
+def _init_context_features(init: str, model: dict, quiet: bool = False) -> str:
+    """The context features `--init`'s model (its saved ModelConfig fields `model`) was trained with: a
+    warm start keeps the init's input contract unless --context-features names another (a run may
+    teach the init new columns)."""
+    name = model.get("context_features", "none")
     if name != "none" and not quiet:
         print(f"pretrain: --init {init} was trained with context features {name!r}; this run keeps them "
               f"(--context-features none to drop them)", flush=True)

@@ -130,6 +130,17 @@ def squash(z: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- encoder
+class ColumnRefs(NamedTuple):
+    """TableBatch.feature_ref, read: which columns are context features and what they estimate."""
+
+    marked: torch.Tensor  # bool (B, C): a context-feature column
+    target: torch.Tensor  # long (B, C): the column it estimates (0 where unmarked)
+    estimator: torch.Tensor  # long (B, C): its estimator slot (0 where unmarked)
+    is_class: torch.Tensor  # bool (B, C): it estimates a class share
+    is_num: torch.Tensor  # bool (B, C): it estimates a numeric value
+    code_id: torch.Tensor  # float (B, C, id_dim): the estimated class code's identity vector
+
+
 class ColumnFacts(NamedTuple):
     """What the context rows fix about each column: the same for every row that is encoded."""
 
@@ -229,7 +240,8 @@ class CellEncoder(nn.Module):
 
         col_tok = self.column(col_vec)[:, None]  # (B, 1, C, d)
         if self.config.context_refs:
-            col_tok = col_tok + self.reference(batch.feature_ref, col_vec, code_vec)[:, None]
+            refs = self.refs(batch.feature_ref, code_vec)
+            col_tok = col_tok + self.reference(refs, col_vec)[:, None]
         code_tok = self.code(code_vec)  # (B, C, K, d)
         is_cat = (kind == CATEGORICAL) & ~missing
         codes = torch.where(is_cat, x, 0.0).long()  # (B, R, C); every cell looks up a code, numeric ones masked out
@@ -238,7 +250,7 @@ class CellEncoder(nn.Module):
         tokens = tokens + code_tok[bi, ci, codes] * is_cat[..., None].to(code_tok.dtype)
 
         if self.config.context_refs:
-            tokens = tokens + self.estimates(batch.feature_ref, x, mean, std, code_vec).to(tokens.dtype)
+            tokens = tokens + self.estimates(refs, x, mean, std).to(tokens.dtype)
 
         if thinking:  # the thinking rows lead; with n_thinking_rows = 0 an empty block (still in the graph)
             think = self.thinking[None, :, None, :] + col_tok  # (B, T, C, d)
@@ -247,34 +259,33 @@ class CellEncoder(nn.Module):
             tokens = tokens + col_tok
         return tokens
 
-    def reference(self, feature_ref: torch.Tensor, col_vec: torch.Tensor, code_vec: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def refs(feature_ref: torch.Tensor, code_vec: torch.Tensor) -> "ColumnRefs":
+        """TableBatch.feature_ref read once for `reference` and `estimates`."""
+        col, code, est = feature_ref.unbind(-1)
+        marked = col >= 0
+        target = col.clamp(min=0)
+        bi = torch.arange(col.shape[0], device=col.device)[:, None]
+        code_id = code_vec[bi, target, code.clamp(min=0, max=code_vec.shape[2] - 1)]  # (B, C, e)
+        return ColumnRefs(marked, target, est.clamp(min=0), marked & (code >= 0), marked & (code < 0), code_id)
+
+    def reference(self, refs: "ColumnRefs", col_vec: torch.Tensor) -> torch.Tensor:
         """(B, C, d) what each context-feature column estimates (zero for every other column): the
         estimated column's identity, the estimated class code's identity, the estimator's vector."""
-        b, c, _ = feature_ref.shape
-        col, code, est = feature_ref.unbind(-1)
-        marked = (col >= 0)[..., None]
-        bi = torch.arange(b, device=col.device)[:, None]
-        target = col.clamp(min=0)
-        tok = self.ref_column(col_vec[bi, target]) + self.ref_estimator(est.clamp(min=0))
-        code_id = code_vec[bi, target, code.clamp(min=0, max=code_vec.shape[2] - 1)]
-        tok = tok + self.ref_code(code_id) * (code >= 0)[..., None].to(tok.dtype)
-        return tok * marked.to(tok.dtype)
+        bi = torch.arange(col_vec.shape[0], device=col_vec.device)[:, None]
+        tok = self.ref_column(col_vec[bi, refs.target]) + self.ref_estimator(refs.estimator)
+        tok = tok + self.ref_code(refs.code_id) * refs.is_class[..., None].to(tok.dtype)
+        return tok * refs.marked[..., None].to(tok.dtype)
 
-    def estimates(self, feature_ref: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
-                  code_vec: torch.Tensor) -> torch.Tensor:
+    def estimates(self, refs: "ColumnRefs", x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
         """(B, R, C, d) what the context features say, added to the cells they estimate: each feature
         column's value times a vector of its estimator and class (a share of class k moves the target
         cell towards class k's identity); a numeric target's estimate standardised and squashed on
         the target column's own scale. Zero where no feature column points."""
         b, r, c = x.shape
         d = self.state.weight.shape[1]
-        col, code, est = feature_ref.unbind(-1)
-        marked = col >= 0
-        target, est = col.clamp(min=0), est.clamp(min=0)
-        is_class, is_num = marked & (code >= 0), marked & (code < 0)
-        bi = torch.arange(b, device=x.device)[:, None]
-        code_id = code_vec[bi, target, code.clamp(min=0, max=code_vec.shape[2] - 1)]  # (B, C, e)
-        proj = torch.einsum("bcde,bce->bcd", self.ref_value_class[est], code_id.to(self.ref_value_class.dtype))
+        marked, target, est, is_class, is_num = refs.marked, refs.target, refs.estimator, refs.is_class, refs.is_num
+        proj = torch.einsum("bcde,bce->bcd", self.ref_value_class[est], refs.code_id.to(self.ref_value_class.dtype))
         proj = proj * is_class[..., None].to(proj.dtype) + self.ref_value_num[est] * is_num[..., None].to(proj.dtype)
         value = torch.nan_to_num(x, nan=0.0)
         t_mean, t_std = mean.gather(1, target)[:, None, :], std.gather(1, target)[:, None, :]
