@@ -115,7 +115,53 @@ def test_muon_optimizer_steps_all_parameters():
     assert len({g["lr"] / g["initial_lr"] for g in opt.param_groups}) == 1
 
 
-@pytest.mark.parametrize("field, value", [("steps", 0), ("optimizer", "sgd"), ("precision", "fp8"), ("clip", 0.0), ("min_lr_ratio", 2.0)])
+class _Named(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(3, 2)
+        self.ref_proj = torch.nn.Linear(3, 2)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_lr_scale_steps_matching_parameters_at_the_factor_times_the_rate(name):
+    """Adam's first step moves every weight by lr (m / sqrt(v) = sign(grad), no decay on biases):
+    the parameters a fragment names move by factor x lr, the others by lr, and the schedule keeps
+    the ratio."""
+    torch.manual_seed(0)
+    model = _Named()
+    opt = build_optimizer(model, name, lr=1e-3, weight_decay=0.0, lr_scale={"ref_": 10})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(0, 10))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    step = {n: (before[n] - p.detach()).abs() for n, p in model.named_parameters()}
+    assert torch.allclose(step["base.weight"], torch.full((2, 3), 1e-3), rtol=1e-4)
+    assert torch.allclose(step["ref_proj.weight"], torch.full((2, 3), 1e-2), rtol=1e-4)
+    assert torch.allclose(step["ref_proj.bias"], torch.full((2,), 1e-2), rtol=1e-4)
+    ratio = sorted(g["lr"] / opt.param_groups[0]["lr"] for g in opt.param_groups)
+    assert ratio[0] == pytest.approx(1.0) and ratio[-1] == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="'refs_' is in no trainable parameter"):
+        build_optimizer(model, name, lr_scale={"refs_": 10})
+    with pytest.raises(ValueError, match=r"lr_scale\['ref_'\] = 0"):
+        build_optimizer(model, name, lr_scale={"ref_": 0})
+
+
+def test_cli_lr_scale_is_recorded_and_a_resume_with_another_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["pretrain", "--preset", "smoke", "--steps", "2", "--eval-every", "2", "--out", str(out), "--quiet"]
+    assert main(base + ["--lr-scale", "encoder.=3", "--lr-scale", "blocks.0.=0.5"]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["lr_scale"] == {"encoder.": 3.0, "blocks.0.": 0.5}
+    assert main(base + ["--steps", "3"]) == 2  # resuming without the factors: other optimizer groups
+    assert "lr_scale" in capsys.readouterr().err
+    assert main(base + ["--lr-scale", "encoder.:3"]) == 2
+    assert "FRAGMENT=FACTOR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("optimizer", "sgd"), ("precision", "fp8"), ("clip", 0.0), ("min_lr_ratio", 2.0),
+                                          ("lr_scale", {"encoder.": -1.0})])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"PretrainConfig.{field}"):
         smoke(**{field: value})

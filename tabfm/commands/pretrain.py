@@ -132,6 +132,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="the model also learns what each context-feature column estimates (the target column, "
                         "the class whose share it is, the estimator): ModelConfig.context_refs; needs context "
                         "features; from an --init without them they start at zero (default: the init's, else off)")
+    p.add_argument("--lr-scale", dest="lr_scale", action="append", default=None, metavar="FRAGMENT=FACTOR",
+                   help="parameters whose name contains FRAGMENT learn at FACTOR x the learning rate (repeatable; "
+                        "the first match counts), e.g. encoder.ref_=10 for projections a warm start added at zero")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every block (dynamic shapes) before the engine wraps the model; every "
                         "plugin but gemini, not with --tp or --pp. Off by default: pays only on long runs, "
@@ -160,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["eval_sklearn"] = False
     if args.compile:
         overrides["compile"] = True
+    if args.lr_scale:
+        overrides["lr_scale"] = _lr_scale(args.lr_scale)
     if args.activation_checkpointing:
         overrides["activation_checkpointing"] = True
     init = _init_model(args.init) if args.init is not None else {}
@@ -173,6 +178,21 @@ def run(args: argparse.Namespace) -> int:
     if main:
         _summary(out, result)
     return 0
+
+
+def _lr_scale(items: list[str]) -> dict[str, float]:
+    """--lr-scale FRAGMENT=FACTOR flags as a mapping; a malformed one names itself."""
+    out: dict[str, float] = {}
+    for item in items:
+        fragment, eq, factor = item.partition("=")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = float("nan")
+        if not eq or not fragment or not value > 0:
+            raise ValueError(f"--lr-scale {item!r}: expected FRAGMENT=FACTOR with a factor > 0, e.g. encoder.ref_=10")
+        out[fragment] = value
+    return out
 
 
 def _init_context_features(init: str, model: dict, quiet: bool = False) -> str:

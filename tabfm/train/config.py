@@ -114,6 +114,7 @@ class PretrainConfig:
     optimizer: str = "adamw"
     lr: float = 1e-3
     muon_lr: float = 0.02
+    lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)  # name fragment -> lr factor
     min_lr_ratio: float = 0.1
     warmup_steps: int = 60
     weight_decay: float = 0.01
@@ -282,6 +283,10 @@ class PretrainConfig:
              f"--compile with --tp {self.tp}: inductor fails on the tensor-parallel blocks' DTensor graphs "
              "(RecursionError while compiling, torch 2.13 on CPU); compile is offered with --sp, ZeRO and FSDP")
         need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
+        need(isinstance(self.lr_scale, dict) and all(
+            isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for k, v in self.lr_scale.items()), "lr_scale",
+             "must map parameter-name fragments to learning-rate factors > 0 (--lr-scale encoder.ref_=10)")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self.clip > 0, "clip", "must be > 0")

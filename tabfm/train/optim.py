@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -102,25 +102,50 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def build_optimizer(
     model: nn.Module, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.01,
-    betas: tuple[float, float] = (0.9, 0.95), muon_lr: float = 0.02,
+    betas: tuple[float, float] = (0.9, 0.95), muon_lr: float = 0.02, lr_scale: Mapping[str, float] | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW with decay only on matrices, or Muon on the blocks' hidden matrices + AdamW elsewhere."""
+    """AdamW with decay only on matrices, or Muon on the blocks' hidden matrices + AdamW elsewhere.
+
+    `lr_scale` maps a name fragment to a learning-rate factor: parameters whose name contains it
+    (the first fragment that matches) learn at factor x their group's rate, e.g. new projections
+    added to a trained model (`{"encoder.ref_": 10}`) that would barely move at its rate."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    scale = _scale_of(named, lr_scale or {})
     if name == "muon":
-        hidden = [p for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
-        hidden_ids = {id(p) for p in hidden}
+        hidden = [(n, p) for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
+        hidden_ids = {id(p) for _, p in hidden}
         rest = [(n, p) for n, p in named if id(p) not in hidden_ids]
-        muon = [{"params": hidden, "lr": muon_lr, "weight_decay": weight_decay, "muon": True}] if hidden else []
-        return MuonAdamW(muon + _groups(rest, weight_decay), lr=lr, betas=betas, weight_decay=weight_decay)
-    return torch.optim.AdamW(_groups(named, weight_decay), lr=lr, betas=betas)
+        muon = [{"params": [p for n, p in hidden if scale[n] == f], "lr": muon_lr * f, "weight_decay": weight_decay,
+                 "muon": True} for f in sorted({scale[n] for n, _ in hidden})]
+        return MuonAdamW(muon + _groups(rest, weight_decay, scale, lr), lr=lr, betas=betas, weight_decay=weight_decay)
+    return torch.optim.AdamW(_groups(named, weight_decay, scale, lr), lr=lr, betas=betas)
 
 
-def _groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict[str, Any]]:
-    decay = [p for n, p in named if not _no_decay(n, p)]
-    keep = [p for n, p in named if _no_decay(n, p)]
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}) if g["params"]]
+def _scale_of(named: list[tuple[str, torch.Tensor]], lr_scale: Mapping[str, float]) -> dict[str, float]:
+    """Each parameter's learning-rate factor; a fragment that names no parameter is an error (a typo
+    would otherwise train at the plain rate)."""
+    for fragment, factor in lr_scale.items():
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"lr_scale[{fragment!r}] = {factor!r}: the factor must be a number > 0")
+        if not any(fragment in n for n, _ in named):
+            raise ValueError(f"lr_scale fragment {fragment!r} is in no trainable parameter's name "
+                             f"(names look like {named[0][0]!r})")
+    return {n: next((float(f) for frag, f in lr_scale.items() if frag in n), 1.0) for n, _ in named}
+
+
+def _groups(named: list[tuple[str, torch.Tensor]], weight_decay: float, scale: Mapping[str, float] | None = None,
+            lr: float | None = None) -> list[dict[str, Any]]:
+    """Decayed and not-decayed groups, one pair per learning-rate factor (plain rate first)."""
+    scale = scale or {}
+    groups = []
+    for f in sorted({scale.get(n, 1.0) for n, _ in named}, key=lambda f: (f != 1.0, f)):
+        part = [(n, p) for n, p in named if scale.get(n, 1.0) == f]
+        extra = {} if f == 1.0 else {"lr": lr * f}
+        groups += [{"params": [p for n, p in part if not _no_decay(n, p)], "weight_decay": weight_decay, **extra},
+                   {"params": [p for n, p in part if _no_decay(n, p)], "weight_decay": 0.0, **extra}]
+    return [g for g in groups if g["params"]]
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> Callable[[int], float]:

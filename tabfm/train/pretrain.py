@@ -116,9 +116,9 @@ def _check_same_run(out: Path, cfg: PretrainConfig, store: dict[str, Any] | None
     if saved_path.exists():
         saved = read_json(saved_path)
         defaults = {"cells_per_token": 1, "context_features": "none", "context_refs": False, "microbatches": 1,
-                    "moe_experts": 0, "moe_top_k": 1}
+                    "moe_experts": 0, "moe_top_k": 1, "lr_scale": {}}
         for key in ("model", "cells_per_token", "n_layers", "stream", "seed", "optimizer", "context_features",
-                    "context_refs", "microbatches", "moe_experts", "moe_top_k"):
+                    "context_refs", "microbatches", "moe_experts", "moe_top_k", "lr_scale"):
             if saved.get(key, defaults.get(key)) != getattr(cfg, key):
                 raise ValueError(
                     f"{out} holds a run with {key}={saved.get(key)!r}, this one has {key}={getattr(cfg, key)!r}; "
@@ -246,7 +246,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, plugin: Plugin | None = N
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.init is not None and latest_checkpoint(out / "checkpoints") is None:
         warm_start(model, cfg.init)
-    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
+    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr,
+                                lr_scale=cfg.lr_scale)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     precision = resolve_precision(cfg.precision, plug.device)
     if main and progress and precision != cfg.precision:
