@@ -227,6 +227,9 @@ def test_pretrain_from_an_init_keeps_its_context_features(tmp_path, capsys):
     assert export["model"]["context_features"] == "knn-linear"
     assert main([*argv, "--out", str(tmp_path / "drop"), "--context-features", "none"]) == 0
     assert json.loads((tmp_path / "drop" / "train_config.json").read_text())["context_features"] == "none"
+    # the shipped init refers its feature columns to what they estimate: without the columns, no references
+    dropped = json.loads((tmp_path / "drop" / "export" / "config.json").read_text())["model"]
+    assert dropped["context_features"] == "none" and not dropped.get("context_refs", False)
 
 
 def test_pretrain_context_refs_from_an_init_and_the_estimators_read_them(tmp_path, capsys):

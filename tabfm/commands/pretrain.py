@@ -170,8 +170,10 @@ def run(args: argparse.Namespace) -> int:
     init = _init_model(args.init) if args.init is not None else {}
     if args.init is not None and args.context_features is None:
         overrides["context_features"] = _init_context_features(args.init, init, quiet=args.quiet)
-    if args.context_refs or init.get("context_refs", False):
+    if args.context_refs or (init.get("context_refs", False) and overrides.get("context_features") != "none"):
         overrides["context_refs"] = True
+    elif init.get("context_refs", False) and not args.quiet:
+        print(f"pretrain: --context-features none drops --init {args.init}'s context references too", flush=True)
     cfg = PretrainConfig.preset(args.preset, **overrides)
     out = args.out or f"runs/pretrain-{args.preset}"
     main, result = _train(cfg, out, progress=not args.quiet, restart=args.restart, bar=show_progress(args))

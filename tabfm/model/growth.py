@@ -11,7 +11,8 @@ embeddings and every cell reads its token's final state. Exact only where a toke
 single cell (one-column tables); elsewhere it is a starting point that training must adapt.
 
 Context references (`add_context_refs`): a model without `ModelConfig.context_refs` gains the
-encoder's reference projections at zero, so it computes exactly its function at the start.
+encoder's reference projections at zero, so it computes exactly its function at the start;
+`drop_context_refs` removes them for a run that drops the context features they refer to.
 """
 from __future__ import annotations
 
@@ -78,3 +79,9 @@ def add_context_refs(state: dict[str, torch.Tensor], d_model: int, id_dim: int) 
             "encoder.ref_estimator.weight": torch.zeros(MAX_ESTIMATORS, d_model),
             "encoder.ref_value_class": torch.zeros(MAX_ESTIMATORS, d_model, id_dim),
             "encoder.ref_value_num": torch.zeros(MAX_ESTIMATORS, d_model)}
+
+
+def drop_context_refs(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict without the encoder's reference projections: for a run that drops the context
+    features they refer to (`--context-features none` from an init with them)."""
+    return {k: v for k, v in state.items() if not k.startswith("encoder.ref_")}

@@ -31,7 +31,7 @@ from tabfm.data.table_episodes import EpisodeConfig
 from tabfm.synth.dataset import SynthDataset, SynthLoader
 from tabfm.synth.stream import StreamConfig
 from tabfm.model import ModelConfig, TabFM, masked_cell_loss
-from tabfm.model.growth import add_context_refs, group_cells, grow_depth
+from tabfm.model.growth import add_context_refs, drop_context_refs, group_cells, grow_depth
 from tabfm.train.config import PretrainConfig, resolve_precision, run_model_config
 from tabfm.train.evaluate import sklearn_eval, synthetic_eval
 from tabfm.train.mixed_data import MixedBatches
@@ -171,7 +171,8 @@ def announce_resume(out: Path, trainer: Trainer, plugin: Plugin) -> None:
 def warm_start(model: TabFM, init: str) -> None:
     """Copy weights from an export (path or shipped name) into `model`; the model configs must agree,
     except that `model` may have more blocks (the init's blocks are repeated), from a G = 1 init,
-    more cells per token, and context references the init lacks (tabfm.model.growth)."""
+    more cells per token, context references the init lacks, and none where this run drops the
+    context features (tabfm.model.growth)."""
     from tabfm.weights import resolve_model_path  # the estimator-side loader knows shipped names
 
     path = resolve_model_path(init)
@@ -185,6 +186,9 @@ def warm_start(model: TabFM, init: str) -> None:
         diff.pop("cells_per_token")
     if diff.get("context_refs") == (True, False):  # the init learns what its feature columns estimate
         state = add_context_refs(state, ours["d_model"], ours["id_dim"])
+        diff.pop("context_refs")
+    elif diff.get("context_refs") == (False, True) and ours["context_features"] == "none":  # nothing to refer to
+        state = drop_context_refs(state)
         diff.pop("context_refs")
     if set(diff) == {"n_layers"} and theirs["n_layers"] < ours["n_layers"]:
         state = grow_depth(state, theirs["n_layers"], ours["n_layers"])
