@@ -1,4 +1,4 @@
-"""Locating and loading TabFM weights: a shipped name ("tabfm-tiny") or an export directory.
+"""Locating and loading TabFM weights: a shipped name ("tabfm-tiny-cf") or an export directory.
 
 An export directory holds exactly `model.safetensors` + `config.json` (written by
 `tabfm.parallel.export_model`, header from `tabfm.train.pretrain.export_config`). Shipped weights
@@ -20,7 +20,12 @@ if TYPE_CHECKING:  # torch and the model load with the first model, not with the
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
 SHIPPED_MODELS = ("tabfm-tiny", "tabfm-tiny-cf")  # -cf: pretrained with context features (docs/estimators.md)
-DEFAULT_MODEL = "tabfm-tiny"
+# Each task's default weights, the ones measured best for it on the public suites (docs/evaluation.md):
+# tabfm-tiny-cf classifies in one pass with its own neighbour and ridge columns and imputes better;
+# tabfm-tiny with the regressor's ridge residual and the detector stays ahead on those two tasks.
+DEFAULT_MODELS = {"classification": "tabfm-tiny-cf", "regression": "tabfm-tiny",
+                  "imputation": "tabfm-tiny-cf", "anomaly": "tabfm-tiny"}
+DEFAULT_MODEL = DEFAULT_MODELS["classification"]  # where no task is named (load_model, tabfm export --onnx)
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 EXPORT_FORMAT, EXPORT_VERSION = "tabfm.model", 1
 

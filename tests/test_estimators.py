@@ -687,6 +687,24 @@ def test_cli_predict(cli_main, export_dir, tmp_path, capsys):
     assert "regression only" in capsys.readouterr().err
 
 
+def test_cli_predict_uses_each_tasks_default_weights(cli_main, tmp_path):
+    """No --model: the classifier's and the regressor's own defaults (tabfm.weights.DEFAULT_MODELS)."""
+    from tabfm.weights import DEFAULT_MODELS
+
+    X, y = frame(40), labels(40)
+    X.assign(label=y).to_csv(tmp_path / "c.csv", index=False)
+    X.assign(target=X["a"] * 3).to_csv(tmp_path / "r.csv", index=False)
+    base = ["predict", "--n-estimators", "1", "--out", str(tmp_path / "out.csv")]
+    assert cli_main([*base, "--train", str(tmp_path / "c.csv"), "--test", str(tmp_path / "c.csv"), "--target", "label",
+                     "--proba"]) == 0
+    want = TabFMClassifier(model=DEFAULT_MODELS["classification"], n_estimators=1, random_state=0).fit(X, y)
+    np.testing.assert_allclose(pd.read_csv(tmp_path / "out.csv").iloc[:, 1:].to_numpy(), want.predict_proba(X), atol=1e-6)
+    assert cli_main([*base, "--train", str(tmp_path / "r.csv"), "--test", str(tmp_path / "r.csv"), "--target", "target",
+                     "--task", "regression"]) == 0
+    want = TabFMRegressor(model=DEFAULT_MODELS["regression"], n_estimators=1, random_state=0).fit(X, X["a"] * 3)
+    np.testing.assert_allclose(pd.read_csv(tmp_path / "out.csv")["target"], want.predict(X), rtol=1e-5, atol=1e-5)
+
+
 def test_cli_predict_errors(cli_main, export_dir, tmp_path, capsys):
     frame(10).to_csv(tmp_path / "t.csv", index=False)
     base = ["predict", "--model", export_dir, "--test", str(tmp_path / "t.csv")]

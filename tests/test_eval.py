@@ -823,11 +823,30 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     before = tabfm_methods()["classification"]["tabfm"].version
     assert set(before) == {"tabfm", "params", "code"}
     defaults = TabFMClassifier.__init__.__defaults__
-    assert defaults[-9:] == ("ordinal", "raw", (5, 20), True, "ovr", None, None, 100, "torch")  # categorical,
+    assert defaults[-9:] == ("ordinal", "raw", (5, 20), True, "auto", None, None, 100, "torch")  # categorical,
     # numeric, n_neighbors, linear_features, multiclass, n_codebooks, alphabet_size, max_classes, backend
     monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-5] + ("native", None, None, 100, "torch"))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
+
+
+def test_tabfm_methods_use_each_tasks_default_weights_unless_named():
+    """No --model: each task's estimator default (tabfm.weights.DEFAULT_MODELS); --model: those weights for all."""
+    import hashlib
+
+    from tabfm.commands.eval import tabfm_methods
+    from tabfm.weights import DEFAULT_MODELS, resolve_model_path
+
+    def digest(name: str) -> str:
+        return hashlib.sha256((resolve_model_path(name) / "model.safetensors").read_bytes()).hexdigest()[:16]
+
+    default = tabfm_methods()
+    assert {t: m["tabfm"].version["tabfm"] for t, m in default.items()} == {t: digest(n) for t, n in DEFAULT_MODELS.items()}
+    assert default["classification"]["tabfm"].factory().model == str(resolve_model_path(DEFAULT_MODELS["classification"]))
+    named = tabfm_methods(model="tabfm-tiny")
+    assert {m["tabfm"].version["tabfm"] for m in named.values()} == {digest("tabfm-tiny")}
+    with pytest.warns(UserWarning, match="TabFM methods skipped"):
+        assert tabfm_methods(model="no-such-weights") == {}
 
 
 def test_tabfm_method_version_follows_the_inference_code(tmp_path):

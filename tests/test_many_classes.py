@@ -11,6 +11,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from tabfm import TabFMClassifier
 from tabfm.estimators.classifier import (ECOC_ALPHABET, ECOC_ROUNDS, ecoc_codebooks, ecoc_n_codebooks,
@@ -108,6 +109,25 @@ def test_ecoc_is_native_up_to_the_head(export_dir, n_classes):
         np.testing.assert_allclose(ecoc.predict_proba(X[:15]), native.predict_proba(X[:15]), atol=1e-6, rtol=0)
 
 
+def test_auto_is_ecoc_with_context_features_and_ovr_without(export_dir):
+    """multiclass="auto" (the default) equals "ecoc" for a model pretrained with context features and "ovr"
+    for one without: same probabilities as naming the strategy."""
+    X, y = table(12)
+    plain = TabFMClassifier(model=export_dir, n_estimators=2, **FAST).fit(X, y)
+    assert plain.multiclass == "auto" and plain._strategy() == "ovr"
+    ovr = TabFMClassifier(model=export_dir, n_estimators=2, multiclass="ovr", **FAST).fit(X, y)
+    np.testing.assert_array_equal(plain.predict_proba(X[:9]), ovr.predict_proba(X[:9]))
+    torch.manual_seed(0)
+    cf = TabFM(ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2, n_bins=16, id_dim=8,
+                                  context_features="knn-linear")).eval()
+    auto = TabFMClassifier(model=cf, n_estimators=2, chunk_size=16).fit(X, y)
+    assert auto._strategy() == "ecoc"
+    ecoc = TabFMClassifier(model=cf, n_estimators=2, chunk_size=16, multiclass="ecoc").fit(X, y)
+    np.testing.assert_array_equal(auto.predict_proba(X[:9]), ecoc.predict_proba(X[:9]))
+    with pytest.warns(UserWarning, match="multiclass='ovr' runs"):  # the cost warning follows the resolved strategy
+        TabFMClassifier(model=export_dir, n_estimators=1, **FAST).fit(*table(40, per_class=1))
+
+
 def test_ecoc_probabilities_and_passes(export_dir, monkeypatch):
     X, y = table(25)
     calls = []
@@ -126,7 +146,7 @@ def test_ecoc_probabilities_and_passes(export_dir, monkeypatch):
         p = clf.predict_proba(X[:12])
         assert p.shape == (12, 25) and np.isfinite(p).all() and (p >= 0).all()
         np.testing.assert_allclose(p.sum(1), 1.0, atol=1e-12)
-        assert len(calls) == 2 * per_member == 2 * clf._passes_per_member(25, 10), (mode, kw)
+        assert len(calls) == 2 * per_member == 2 * clf._passes_per_member(25, 10, mode), (mode, kw)
         assert list(clf.classes_) == sorted(set(y))
 
 

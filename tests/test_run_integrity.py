@@ -213,7 +213,7 @@ def test_long_estimator_calls_draw_a_progress_bar_unless_told_not_to(capsys):
     X, y = rng.normal(size=(60, 3)), np.arange(60) % 3
     TabFMClassifier(n_estimators=3, progress=True).fit(X, y).predict_proba(X[:5])
     err = capsys.readouterr().err
-    assert "TabFMClassifier.predict_proba" in err and "/9 [" in err  # 3 members x 3 one-vs-rest passes
+    assert "TabFMClassifier.predict_proba" in err and "/3 [" in err  # 3 members x 1 pass ("auto": one 3-way pass)
     TabFMClassifier(n_estimators=3, progress=False).fit(X, y).predict_proba(X[:5])
     TabFMClassifier(n_estimators=3).fit(X, y).predict_proba(X[:5])  # default: stderr is no terminal here
     assert "predict_proba" not in capsys.readouterr().err
@@ -249,7 +249,7 @@ def test_a_continuous_looking_target_is_refused_by_the_classifier_with_a_hint(tm
     with pytest.raises(ValueError, match=r"distinct numeric values, more than max_classes=100.*TabFMRegressor"):
         TabFMClassifier(n_estimators=1).fit(X, y)
     with pytest.warns(UserWarning, match=r"multiclass='ovr' runs \d+ passes per ensemble member"):
-        TabFMClassifier(n_estimators=1, max_classes=200).fit(X, y)
+        TabFMClassifier(n_estimators=1, max_classes=200, multiclass="ovr").fit(X, y)
     frame = pd.DataFrame(X, columns=["a", "b"]).assign(y=y)
     frame.to_csv(tmp_path / "t.csv", index=False)
     assert main(["predict", "--train", str(tmp_path / "t.csv"), "--test", str(tmp_path / "t.csv"), "--target", "y",

@@ -29,6 +29,7 @@ from tabfm.serve.batching import Batcher, lane_of
 from tabfm.serve.config import PRECISIONS, ServeConfig
 from tabfm.serve.estimators import ServedClassifier
 from tabfm.serve.metrics import Metrics
+from tabfm.weights import DEFAULT_MODELS
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ONE = {"n_estimators": 1}
@@ -76,8 +77,8 @@ def test_classify_equals_the_estimator_records_and_columns(client, table):
         assert out["classes"] == list(local.classes_)
         np.testing.assert_array_equal(np.array(out["probabilities"]), local.predict_proba(q[FEATURES]))
         assert out["predictions"] == list(local.predict(q[FEATURES]))
-        assert out["n_rows"] == len(q) and out["context_id"] is None and out["model"] == "tabfm-tiny"
-    three = {"n_estimators": 1, "linear_features": False, "n_neighbors": [5]}  # one-vs-rest: a pass per class
+        assert out["n_rows"] == len(q) and out["context_id"] is None and out["model"] == DEFAULT_MODELS["classification"]
+    three = {"n_estimators": 1, "linear_features": False, "n_neighbors": [5]}  # three classes, "auto" strategy
     local = TabFMClassifier(n_estimators=1, linear_features=False, n_neighbors=5).fit(ctx[FEATURES], ctx.kind)
     out = ok(client.post("/v1/classify", json={"context": cols(ctx[FEATURES + ["kind"]]), "target": "kind",
                                                 "query": cols(q[FEATURES]), "params": three}))
@@ -389,7 +390,8 @@ def test_health_ready_info_openapi_page(client):
     assert ok(client.get("/healthz")) == {"status": "ok"}
     assert ok(client.get("/readyz"))["status"] == "ready"
     info = ok(client.get("/v1/info"))
-    assert info["model"] == "tabfm-tiny" and info["limits"]["max_rows"] == 10_000
+    assert info["models"] == DEFAULT_MODELS and info["limits"]["max_rows"] == 10_000
+    assert ok(client.get("/readyz"))["models"] == DEFAULT_MODELS
     spec = ok(client.get("/openapi.json"))
     for path in ("/v1/classify", "/v1/regress", "/v1/impute", "/v1/anomaly-score", "/v1/contexts", "/metrics"):
         assert path in spec["paths"]
@@ -411,6 +413,10 @@ def test_config_names_match_the_estimators():
     assert ServeConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match="--max-rows"):
         ServeConfig(max_rows=0)
+    # each task answers with its own default weights unless --model names one for all
+    assert ServeConfig().models() == DEFAULT_MODELS
+    assert ServeConfig(model="tabfm-tiny").models() == dict.fromkeys(DEFAULT_MODELS, "tabfm-tiny")
+    assert ServeConfig(model="x").model_for("anomaly") == "x"
 
 
 def test_one_shot_requests_with_the_same_context_share_a_fit(client, table):

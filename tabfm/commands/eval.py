@@ -70,36 +70,32 @@ def inference_code_hash(root: Path | None = None) -> str:
     return digest.hexdigest()[:12]
 
 
-def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = None,
+def tabfm_methods(model: str | None = None, params: dict[str, Any] | None = None,
                   tasks: tuple[str, ...] | None = None) -> dict[str, dict[str, Any]]:
     """The project's own methods per task, {task: {"tabfm": tabfm.eval.runner.Method}}, for weights `model`
-    and the given `tasks` (default all); `params` are passed to each task's estimator (a name it does
-    not take is an error naming it; e.g. `numeric` exists for classification and regression only).
+    (default: each task's own, tabfm.weights.DEFAULT_MODELS) and the given `tasks` (default all);
+    `params` are passed to each task's estimator (a name it does not take is an error naming it;
+    e.g. `numeric` exists for classification and regression only).
 
     The estimators follow the contract in eval/protocols.py; the anomaly detector scores
     higher = more normal (sklearn), so it is flipped. The weights' hash is the method's version,
     so new weights are never served stale cached scores. No weights: a warning, no methods.
     """
-    from tabfm.weights import resolve_model_path
-
-    try:
-        path = resolve_model_path(model)
-    except FileNotFoundError as err:
-        warnings.warn(f"TabFM methods skipped: {err}")
-        return {}
+    from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
     from tabfm.eval.detectors import Negated
     from tabfm.eval.runner import Method
-    from tabfm.estimators import TabFMAnomalyDetector, TabFMClassifier, TabFMImputer, TabFMRegressor
+    from tabfm.weights import DEFAULT_MODELS, resolve_model_path
 
-    weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]
     code = inference_code_hash()
-    where = str(path)
-
     extra = dict(params or {})
 
-    def method(cls: Any, wrap: Any = None) -> Any:
+    def method(task: str, cls: Any, wrap: Any = None) -> Any:
         """The estimator's parameters (not the weights' path) are part of its version, so
         changing a default (e.g. how categorical features are shown) recomputes its scores."""
+        path = resolve_model_path(model or DEFAULT_MODELS[task])
+        weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:16]
+        where = str(path)
+
         def make() -> Any:
             est = cls(model=where, random_state=0)
             unknown = sorted(set(extra) - set(est.get_params()))
@@ -115,7 +111,12 @@ def tabfm_methods(model: str = "tabfm-tiny", params: dict[str, Any] | None = Non
 
     estimators = {"classification": (TabFMClassifier,), "regression": (TabFMRegressor,),
                   "imputation": (TabFMImputer,), "anomaly": (TabFMAnomalyDetector, Negated)}
-    return {task: {"tabfm": method(*how)} for task, how in estimators.items() if tasks is None or task in tasks}
+    try:
+        return {task: {"tabfm": method(task, *how)} for task, how in estimators.items()
+                if tasks is None or task in tasks}
+    except FileNotFoundError as err:
+        warnings.warn(f"TabFM methods skipped: {err}")
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +134,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "or a suite directory (DIR/<task>/ is used when it exists)")
     p.add_argument("--methods", default="all",
                    help="comma-separated method names, or 'all' (default), 'baselines', 'extra'")
-    p.add_argument("--model", default="tabfm-tiny", help="TabFM weights: a shipped name or an export directory")
+    p.add_argument("--model", default=None, help="TabFM weights: a shipped name or an export directory (default: "
+                   "the task's estimator's own, tabfm.weights.DEFAULT_MODELS)")
     p.add_argument("--tabfm-params", metavar="K=V,...",
                    help="estimator parameters for the TabFM method, e.g. 'n_estimators=1' (part of its cache key)")
     p.add_argument("--datasets", help="comma-separated dataset names (default: every dataset of the suite)")

@@ -8,13 +8,13 @@ equals the run's own export at that step and loads in the estimators (`model=OUT
 
 With --onnx the graph is the eval-mode forward (fp32) with the number of tables, rows, columns
 and query cells all dynamic, of --model (a shipped name or an export directory; default
-tabfm-tiny) or, given CKPT OUT, of the bundle just written. It is checked against torch in
+tabfm-tiny-cf, the classifier's default) or, given CKPT OUT, of the bundle just written. It is checked against torch in
 onnxruntime on tables of several shapes, with and without missing cells, before it is
 written, and runs in the estimators with backend="onnx", model=OUT.onnx (docs/serving.md).
 Needs the onnx extra: pip install "tabfm[onnx]".
 
     tabfm export runs/pre/checkpoints/step_2000 runs/pre/export
-    tabfm export --onnx tabfm-tiny.onnx
+    tabfm export --onnx tabfm-tiny-cf.onnx
     tabfm export runs/pre runs/pre/export --onnx runs/pre/model.onnx
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`tabfm predict`: in-context predictions for a test table, with a training table as context.
 
     tabfm predict --train train.csv --test test.csv --target y [--task classification|regression]
-                  [--model tabfm-tiny | EXPORT_DIR] [--out preds.csv] [--proba]
+                  [--model NAME | EXPORT_DIR] [--out preds.csv] [--proba]
 
 --train and --test are CSV, TSV or Parquet files (a table store's too), read by
 tabfm.data.readers as `tabfm finetune --data` reads them (ISO dates parsed, errors naming the
@@ -27,7 +27,7 @@ MAX_INT_CLASSES = 20  # an integer target with at most this many distinct values
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from tabfm.weights import DEFAULT_MODEL
+    from tabfm.weights import DEFAULT_MODELS
 
     p = subparsers.add_parser(
         "predict",
@@ -41,7 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--target", required=True, metavar="COL", help="name of the target column in the training table")
     p.add_argument("--task", choices=PREDICTION_TASKS, help="default: classification for text/boolean targets and integer "
                    f"targets with <= {MAX_INT_CLASSES} distinct values, else regression")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model name or export directory (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help="shipped model name or export directory (default: the task's own, "
+                   + ", ".join(f"{t} {DEFAULT_MODELS[t]}" for t in PREDICTION_TASKS) + ")")
     p.add_argument("--out", metavar="CSV", help="write predictions here (default: stdout)")
     p.add_argument("--proba", action="store_true", help="classification: add a probability column per class")
     p.add_argument("--n-estimators", type=int, default=4, help="ensemble members (default 4)")
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from tabfm.estimators import TabFMClassifier, TabFMRegressor
-    from tabfm.weights import ModelNotFoundError
+    from tabfm.weights import DEFAULT_MODELS, ModelNotFoundError
 
     if args.out:  # before any work: a path that cannot be written fails now, not after the predictions
         target = Path(args.out)
@@ -127,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--n-neighbors: expected comma-separated integers such as 5,20, got {args.n_neighbors!r}") from None
     # --progress / --no-progress decide; else the estimator's own rule (a bar for long calls in a terminal), off with --quiet
     progress = args.progress if args.progress is not None else (False if args.quiet else None)
-    params = dict(model=args.model, n_estimators=args.n_estimators, random_state=args.seed, device=args.device,
-                  n_neighbors=sizes, linear_features=args.linear_features, progress=progress)
+    params = dict(model=args.model or DEFAULT_MODELS[task], n_estimators=args.n_estimators, random_state=args.seed,
+                  device=args.device, n_neighbors=sizes, linear_features=args.linear_features, progress=progress)
     if not args.linear_residual and task == "classification":
         raise ValueError("--no-linear-residual applies to regression only")
     est = TabFMClassifier(**params, max_classes=args.max_classes) if task == "classification" else TabFMRegressor(**params,

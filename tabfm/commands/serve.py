@@ -1,6 +1,6 @@
 """`tabfm serve`: the prediction server (FastAPI + uvicorn; the `serve` extra).
 
-    tabfm serve [--model tabfm-tiny | EXPORT_DIR] [--host 127.0.0.1] [--port 8000] [--workers N]
+    tabfm serve [--model NAME | EXPORT_DIR] [--host 127.0.0.1] [--port 8000] [--workers N]
                 [--token T] [--max-rows N] [--max-columns N] [--max-classes N] [--max-categories N]
                 [--max-body-bytes N] [--max-estimators N] [--max-batch-cells N] [--max-wait-ms MS]
                 [--max-queue N] [--context-cache-mib MIB]
@@ -27,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("serve", help=SUMMARY, description="An HTTP server for in-context predictions: "
                               "classify, regress, impute, anomaly-score, registered contexts, /metrics, a page at /. "
                               "Needs the serve extra: pip install 'tabfm[serve]'.")
-    p.add_argument("--model", default=d.model, help=f"shipped model name or export directory (default {d.model})")
+    p.add_argument("--model", default=d.model, help="shipped model name or export directory for every task (default: "
+                   "each task's own, " + ", ".join(f"{t} {m}" for t, m in d.models().items()) + ")")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
                    "0.0.0.0 for every interface, with --token)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    resolve_model_path(args.model)  # a wrong name or directory is one line now, not a worker's traceback
+    if args.model is not None:
+        resolve_model_path(args.model)  # a wrong name or directory is one line now, not a worker's traceback
     if args.device.startswith("cuda"):
         import torch
 

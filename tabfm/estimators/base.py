@@ -42,7 +42,7 @@ DEFAULT_N_NEIGHBORS = (5, 20)
 PRECISIONS = ("auto", "fp32", "bf16")
 BACKENDS = ("torch", "onnx")
 CATEGORICAL_MODES = ("ordinal", "identity")
-MULTICLASS = ("ovr", "native", "ecoc")
+MULTICLASS = ("auto", "ovr", "native", "ecoc")
 PROGRESS_MIN_PASSES = 8  # progress=None draws a bar from this many model passes in one call
 
 
@@ -101,7 +101,8 @@ class View:
 class TabFMEstimator(BaseEstimator):
     """Base of the TabFM estimators (not used directly).
 
-    model             shipped model name (default "tabfm-tiny"), path of an export directory
+    model             shipped model name (each estimator's default: tabfm.weights.DEFAULT_MODELS, the
+                      weights measured best for its task), path of an export directory
                       (model.safetensors + config.json), or a TabFM module (moved to `device`).
     n_estimators      ensemble members (see tabfm.estimators.ensemble); outputs are averaged.
     random_state      seed (int, default 0), RandomState or None (a fresh seed per fit); drawn from at

@@ -1,10 +1,12 @@
 """TabFMClassifier: in-context classification of a separate target.
 
 Multi-class strategies (`multiclass`):
-- "ovr" (default): one binary task per class (class c against the rest, c's neighbour share and
+- "auto" (default): "ecoc" for a model pretrained with context features (the default
+  tabfm-tiny-cf: one n-way pass up to K classes, a few codebook passes above), "ovr" for one
+  without (tabfm-tiny, whose single n-way pass is far weaker; BENCHMARKS.md "Defaults").
+- "ovr": one binary task per class (class c against the rest, c's neighbour share and
   linear score as the extra features), P(c) proportional to the odds of that task's P(c). n
-  passes per member, but with the shipped weights far stronger than one n-way pass (public
-  suite, BENCHMARKS.md), and any number of classes works the same way.
+  passes per member; any number of classes works the same way.
 - "native": one n-way pass. More classes than the model's categorical head
   (K = model.config.max_categories) are grouped hierarchically: the classes (in each member's
   permuted order) are split into G = ceil(n / K) contiguous groups of at most K; the model
@@ -56,7 +58,7 @@ from torch import nn
 from tabfm.data.context_features import feature_targets
 from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities
-from tabfm.weights import DEFAULT_MODEL
+from tabfm.weights import DEFAULT_MODELS
 
 from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS,
                    DEFAULT_N_NEIGHBORS, Runtime, SupervisedTabFMEstimator, View)
@@ -151,7 +153,8 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     (columns in `classes_` order, sorted); predict(X) takes the most probable class. A single
     class in y predicts that class with probability 1 (UserWarning).
 
-    multiclass   "ovr" (default), "native" or "ecoc": how more than two classes are predicted (module doc).
+    multiclass   "auto" (default), "ovr", "native" or "ecoc": how more than two classes are predicted
+                 (module doc; "auto" is "ecoc" for a model with context features, else "ovr").
     n_codebooks  multiclass="ecoc" with more classes than the head's K codes: codebooks (model passes)
                  per member; None (default) = 3 rounds of ceil(log_m n), every pair of classes then
                  separated in >= 3 of them (`ecoc_n_codebooks`).
@@ -166,14 +169,15 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
     Other parameters: see SupervisedTabFMEstimator and TabFMEstimator.
     """
 
-    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODELS["classification"],
+                 n_estimators: int = DEFAULT_N_ESTIMATORS,
                  random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
-                 multiclass: str = "ovr", n_codebooks: int | None = None, alphabet_size: int | None = None,
+                 multiclass: str = "auto", n_codebooks: int | None = None, alphabet_size: int | None = None,
                  max_classes: int = 100,
                  backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
@@ -204,7 +208,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         if n == 1:
             warnings.warn(f"y has a single class {self.classes_[0]!r}: every prediction will be that class "
                           "with probability 1", UserWarning, stacklevel=2)
-        if n > OVR_COST_WARNING and self.multiclass == "ovr":
+        if n > OVR_COST_WARNING and self._strategy() == "ovr":
             warnings.warn(f"{n} classes: multiclass='ovr' runs {n} passes per ensemble member ({n * self.n_estimators} "
                           "in all), so predictions take about that many times one pass; multiclass='ecoc' or "
                           "'native' take a few passes per member", UserWarning, stacklevel=2)
@@ -225,11 +229,19 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         m = getattr(self, "alphabet_size", None)
         return min(k, ECOC_ALPHABET) if m is None else int(m)
 
-    def _passes_per_member(self, n: int, k: int) -> int:
+    def _strategy(self, rt: Runtime | None = None) -> str:
+        """`multiclass` with "auto" resolved for the model (module doc): "ecoc" when it was pretrained
+        with context features, else "ovr"."""
+        if self.multiclass != "auto":
+            return self.multiclass
+        rt = rt if rt is not None else self._runtime()
+        return "ecoc" if rt.context_features != "none" else "ovr"
+
+    def _passes_per_member(self, n: int, k: int, strategy: str) -> int:
         """Model passes one member makes for n classes with a k-code head (the progress bar's unit)."""
-        if n > 2 and self.multiclass == "ovr":
+        if n > 2 and strategy == "ovr":
             return n
-        if n > k and self.multiclass == "ecoc":
+        if n > k and strategy == "ecoc":
             return ecoc_n_codebooks(n, self._alphabet(k), getattr(self, "n_codebooks", None))
         return tree_passes(n, k)
 
@@ -243,10 +255,11 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         rt = self._runtime()
         self._check_ecoc_params(rt.max_categories)
         members = self._members(cover_all=False, n_classes=n)
-        ovr = n > 2 and self.multiclass == "ovr"
-        ecoc = n > rt.max_categories and self.multiclass == "ecoc"
+        strategy = self._strategy(rt)
+        ovr = n > 2 and strategy == "ovr"
+        ecoc = n > rt.max_categories and strategy == "ecoc"
         total = np.zeros((len(x), n))  # members' probabilities, or ("ecoc") their class scores, summed
-        with self._bar(len(members) * self._passes_per_member(n, rt.max_categories), "predict_proba") as bar:
+        with self._bar(len(members) * self._passes_per_member(n, rt.max_categories, strategy), "predict_proba") as bar:
             for m in members:
                 view = self._supervised_view(m, x, classes=True, rt=rt)
                 y = m.class_perm[self.y_[view.rows]]

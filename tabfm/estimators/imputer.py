@@ -41,7 +41,7 @@ from tabfm.data.batch import CATEGORICAL
 from tabfm.data.schema import BOOLEAN_T, CATEGORICAL_T, DATETIME_T, NUMERIC_T, ColumnSpec
 from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities, numeric_mean
-from tabfm.weights import DEFAULT_MODEL
+from tabfm.weights import DEFAULT_MODELS
 
 from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS, Runtime,
                    TabFMEstimator)
@@ -83,7 +83,7 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
     Other parameters: see TabFMEstimator.
     """
 
-    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODELS["imputation"], n_estimators: int = DEFAULT_N_ESTIMATORS,
                  random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,

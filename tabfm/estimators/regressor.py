@@ -27,7 +27,7 @@ from torch import nn
 
 from tabfm.model import ModelOutput
 from tabfm.model.predict import numeric_mean, numeric_quantiles
-from tabfm.weights import DEFAULT_MODEL
+from tabfm.weights import DEFAULT_MODELS
 
 from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS,
                    DEFAULT_N_NEIGHBORS, SupervisedTabFMEstimator)
@@ -49,7 +49,7 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
     Other parameters: see SupervisedTabFMEstimator and TabFMEstimator.
     """
 
-    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODEL, n_estimators: int = DEFAULT_N_ESTIMATORS,
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODELS["regression"], n_estimators: int = DEFAULT_N_ESTIMATORS,
                  random_state: int | np.random.RandomState | None = 0, device: str = "auto",
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,

@@ -185,8 +185,8 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     def answer_meta(ctx: Any, out: dict[str, Any], n_rows: int) -> dict[str, Any]:
         used = out["context"]
         found = ([] if ctx.registered else list(used.fit_warnings)) + list(out["warnings"])
-        return {"model": config.model, "context_id": ctx.id if ctx.registered else None, "n_rows": n_rows,
-                "warnings": found}
+        return {"model": config.model_for(ctx.task), "context_id": ctx.id if ctx.registered else None,
+                "n_rows": n_rows, "warnings": found}
 
     def context_of(req: Any, frames: dict[str, Any], op: str, identity: bytes) -> Any:
         if req.context_id is not None:
@@ -287,7 +287,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     async def readyz() -> Any:
         if not service.ready:
             return JSONResponse(error_body("not_ready", "the server is starting or stopping"), status_code=503)
-        return S.Ready(status="ready", model=config.model, lanes=len(service.batcher.lanes),
+        return S.Ready(status="ready", models=config.models(), lanes=len(service.batcher.lanes),
                        queued=service.batcher.queued())
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["operations"], summary="Prometheus text exposition")
@@ -297,7 +297,7 @@ def create_app(config: ServeConfig | None = None) -> FastAPI:
     @app.get("/v1/info", response_model=S.Info, responses=ERRORS, tags=["operations"],
              summary="the model, device and limits")
     async def server_info() -> S.Info:
-        return S.Info(model=config.model, version=__version__, device=service.device, batching=config.batching,
+        return S.Info(models=config.models(), version=__version__, device=service.device, batching=config.batching,
                       limits=config.limits(), tasks=list(S.TASKS))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)

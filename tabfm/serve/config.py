@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from tabfm.weights import DEFAULT_MODEL
+from tabfm.weights import DEFAULT_MODELS
 
 MIB = 1 << 20
 CONFIG_ENV = "TABFM_SERVE_CONFIG"  # the JSON of a ServeConfig, for worker processes
@@ -32,7 +32,7 @@ N_LANES = 5
 class ServeConfig:
     """What `tabfm serve` serves and the limits it enforces (each a --flag of the same name)."""
 
-    model: str = DEFAULT_MODEL           # shipped model name or export directory
+    model: str | None = None             # shipped model name or export directory; None: each task's default
     device: str = "auto"                 # estimators' device
     precision: str = "auto"              # estimators' precision
     token: str | None = None             # bearer token every endpoint but /healthz (and the page) requires
@@ -68,6 +68,14 @@ class ServeConfig:
     @property
     def batching(self) -> bool:
         return self.max_batch_cells > 0
+
+    def model_for(self, task: str) -> str:
+        """The weights that answer `task`: --model, else the task's default (tabfm.weights.DEFAULT_MODELS)."""
+        return self.model if self.model is not None else DEFAULT_MODELS[task]
+
+    def models(self) -> dict[str, str]:
+        """Weights per task (GET /v1/info, /readyz)."""
+        return {task: self.model_for(task) for task in DEFAULT_MODELS}
 
     def limits(self) -> dict[str, float | int]:
         """The limits a client may want to know (GET /v1/info)."""

@@ -54,7 +54,8 @@ class ClassifierParams(SupervisedParams):
     """TabFMClassifier's parameters."""
 
     numeric: Literal["raw", "quantile", "mixed"] = "raw"
-    multiclass: Literal["ovr", "native", "ecoc"] = "ovr"
+    multiclass: Literal["auto", "ovr", "native", "ecoc"] = Field("auto", description="auto: ecoc for weights "
+                                                                 "with context features, else ovr")
     n_codebooks: Optional[int] = Field(None, ge=1, description="multiclass=ecoc: codebooks (passes) per member; "
                                        "null = automatic")
     alphabet_size: Optional[int] = Field(None, ge=2, description="multiclass=ecoc: meta-classes per codebook "
@@ -252,13 +253,13 @@ class Health(BaseModel):
 
 class Ready(BaseModel):
     status: str
-    model: str
+    models: dict[str, str] = Field(description="the weights that answer each task")
     lanes: int
     queued: int
 
 
 class Info(BaseModel):
-    model: str
+    models: dict[str, str] = Field(description="the weights that answer each task")
     version: str
     device: str
     batching: bool

@@ -50,12 +50,13 @@ class Service:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.config.device == "auto" else self.config.device
-        load_model(self.config.model, device)  # cached per process: the estimators reuse it
+        for name in sorted(set(self.config.models().values())):
+            load_model(name, device)  # cached per process: the estimators reuse it
         self.device = device
         self._warnings = install_warning_hook()
         self.batcher.start()
         self.ready = True
-        log.info("tabfm serve: model %s on %s, %d lanes, batching %s", self.config.model, device,
+        log.info("tabfm serve: models %s on %s, %d lanes, batching %s", self.config.models(), device,
                  len(self.batcher.lanes), "on" if self.config.batching else "off")
 
     def stop(self) -> None:

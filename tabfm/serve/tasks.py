@@ -90,7 +90,7 @@ def fit(ctx: Context, config: ServeConfig) -> None:
     """Fit ctx's estimator on its rows (once); frees the raw rows."""
     if ctx.estimator is not None:
         return
-    est = ESTIMATORS[ctx.task](model=config.model, device=config.device, precision=config.precision, progress=False,
+    est = ESTIMATORS[ctx.task](model=config.model_for(ctx.task), device=config.device, precision=config.precision, progress=False,
                                **estimator_kwargs(ctx.params))
     with collected_warnings() as found:
         if ctx.y is not None:

@@ -1,6 +1,6 @@
 """Fine-tuning on the user's own tables: episodes of their rows, scored on rows it never trains on.
 
-`finetune(cfg, out_dir)` starts from exported weights (the shipped "tabfm-tiny" by default, or
+`finetune(cfg, out_dir)` starts from exported weights (the shipped "tabfm-tiny-cf" by default, or
 any export), reads the tables `cfg.data` names (a CSV, a Parquet file, a directory or a table
 store: anything `tabfm.data.readers.read_tables` accepts), holds out a share of each table's rows
 (stratified by class for classification), and trains on episodes cut from the remaining rows
