@@ -119,7 +119,7 @@ def test_a_visible_copy_is_copied():
     round 1 disagreed come out swapped; round 3 copies round 2 and swaps them back."""
     X, both = cat_copies()
     one, two, three = (TabFMImputer(n_estimators=2, n_rounds=r, round_parts=2).fit(X).transform(X) for r in (1, 2, 3))
-    assert (one.a[both] != one.b[both]).sum() >= 2  # close calls
+    assert (one.a[both] != one.b[both]).sum() >= 1  # a close call (how many depends on the weights), so the swaps below are seen
     assert (two.a[both] == one.b[both]).all() and (two.b[both] == one.a[both]).all()
     assert (three.a[both] == two.b[both]).all() and (three.b[both] == two.a[both]).all()
     pd.testing.assert_frame_equal(three[~both], X[~both])  # rows with nothing missing are untouched
