@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from tabfm.estimators import TabFMClassifier, TabFMRegressor
-    from tabfm.weights import DEFAULT_MODELS, ModelNotFoundError
+    from tabfm.weights import ModelNotFoundError
 
     if args.out:  # before any work: a path that cannot be written fails now, not after the predictions
         target = Path(args.out)
@@ -128,8 +128,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--n-neighbors: expected comma-separated integers such as 5,20, got {args.n_neighbors!r}") from None
     # --progress / --no-progress decide; else the estimator's own rule (a bar for long calls in a terminal), off with --quiet
     progress = args.progress if args.progress is not None else (False if args.quiet else None)
-    params = dict(model=args.model or DEFAULT_MODELS[task], n_estimators=args.n_estimators, random_state=args.seed,
-                  device=args.device, n_neighbors=sizes, linear_features=args.linear_features, progress=progress)
+    params = dict(n_estimators=args.n_estimators, random_state=args.seed, device=args.device, n_neighbors=sizes,
+                  linear_features=args.linear_features, progress=progress)
+    if args.model is not None:  # else the estimator's own default for its task
+        params["model"] = args.model
     if not args.linear_residual and task == "classification":
         raise ValueError("--no-linear-residual applies to regression only")
     est = TabFMClassifier(**params, max_classes=args.max_classes) if task == "classification" else TabFMRegressor(**params,
