@@ -1,4 +1,4 @@
-"""TabFMImputer's rounds (`n_rounds`) on the public imputation suite, scored as `tabfm eval` scores it.
+"""TabFMImputer's rounds (`n_rounds`) and strategies on the public imputation suite, scored as `tabfm eval` scores it.
 
 For each dataset of the suite and each condition (mechanism x rate x seed) of
 tabfm.eval.protocols.imputation_conditions, the cells of imputation_mask are hidden (apply_mask),
@@ -13,7 +13,8 @@ table, writes JSON.
 The full suite (8 datasets x 27 conditions) takes ~25 min per setting on one thread; the default
 is a subset: 4 datasets x the 9 mechanism/rate conditions x seed 0.
 
-    nice -n 10 python benchmarks/imputation_rounds.py                    # the subset, rounds 1,2,3
+    nice -n 10 python benchmarks/imputation_rounds.py                    # the subset, rounds 1,2,3 (joint)
+    nice -n 10 python benchmarks/imputation_rounds.py --settings columns:1,columns:2,joint:1
     nice -n 10 python benchmarks/imputation_rounds.py --datasets all --seeds 0,1,2
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tabfm.estimators import TabFMImputer
 from tabfm.estimators.imputer import DEFAULT_ROUND_PARTS
 from tabfm.eval.protocols import MECHANISMS, RATES, apply_mask, imputation_conditions, imputation_mask, score_imputation
 from tabfm.eval.suites import default_public_dir, load_suite
-from tabfm.weights import DEFAULT_MODEL
+from tabfm.weights import DEFAULT_MODELS
 
 from common import machine_info
 
@@ -62,9 +63,10 @@ def main() -> None:
     ap.add_argument("--suite", default=str(default_public_dir() / "imputation"))
     ap.add_argument("--datasets", default=DEFAULT_DATASETS, help="comma-separated names, or 'all'")
     ap.add_argument("--seeds", default="0", help="mask seeds of imputation_conditions (0,1,2 = the full protocol)")
-    ap.add_argument("--rounds", default="1,2,3", help="n_rounds settings")
+    ap.add_argument("--settings", default="joint:1,joint:2,joint:3",
+                    help="comma-separated STRATEGY:N_ROUNDS imputer settings (strategy 'columns' or 'joint')")
     ap.add_argument("--round-parts", type=int, default=DEFAULT_ROUND_PARTS)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default=DEFAULT_MODELS["imputation"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "imputation_rounds.json"))
     args = ap.parse_args()
@@ -73,9 +75,12 @@ def main() -> None:
     names = None if args.datasets == "all" else args.datasets.split(",")
     suite = load_suite(args.suite, "imputation", names)
     seeds = {int(s) for s in args.seeds.split(",")}
-    rounds = [int(r) for r in args.rounds.split(",")]
+    rounds = args.settings.split(",")  # one label per setting, "strategy:n_rounds"
+    for r in rounds:
+        if r.count(":") != 1 or not r.split(":")[1].isdigit():
+            ap.error(f"--settings entries are STRATEGY:N_ROUNDS, got {r!r}")
     conditions = [c for c in imputation_conditions() if c[2] in seeds]
-    units: dict[int, list[dict]] = {r: [] for r in rounds}
+    units: dict[str, list[dict]] = {r: [] for r in rounds}
     t_all = time.perf_counter()
     for ds in suite:
         frame = ds.frame if ds.target is None else ds.frame.drop(columns=[ds.target])
@@ -83,13 +88,15 @@ def main() -> None:
             M = imputation_mask(frame, mech, rate, seed)
             masked = apply_mask(frame, M)
             for r in rounds:
-                est = TabFMImputer(model=args.model, random_state=0, n_rounds=r, round_parts=args.round_parts)
+                strategy, n = r.split(":")
+                est = TabFMImputer(model=args.model, random_state=0, strategy=strategy, n_rounds=int(n),
+                                   round_parts=args.round_parts)
                 t0 = time.perf_counter()
                 out = est.fit_transform(masked)
                 sec = time.perf_counter() - t0
                 units[r].append({"dataset": ds.name, "mechanism": mech, "rate": rate, "seed": seed, "seconds": sec,
                                  **score_imputation(frame, M, out)})
-            line = "  ".join(f"r{r} {units[r][-1]['rmse']:.4f} ({units[r][-1]['seconds']:.1f}s)" for r in rounds)
+            line = "  ".join(f"{r} {units[r][-1]['rmse']:.4f} ({units[r][-1]['seconds']:.1f}s)" for r in rounds)
             print(f"{ds.name:12s} {mech:4s} {rate:.1f} s{seed}  {line}", flush=True)
 
     datasets = [ds.name for ds in suite]
@@ -97,7 +104,7 @@ def main() -> None:
     cols = ["all", *MECHANISMS, *(f"rate_{r}" for r in RATES)]
     print(f"\n{len(datasets)} datasets ({', '.join(datasets)}) x {len(conditions)} conditions "
           f"(seeds {sorted(seeds)}); round_parts={args.round_parts}; standardised RMSE (lower is better)")
-    print("| n_rounds | " + " | ".join(cols) + " | cat. accuracy | seconds |")
+    print("| strategy:n_rounds | " + " | ".join(cols) + " | cat. accuracy | seconds |")
     print("|---:|" + "---:|" * (len(cols) + 2))
     for r in rounds:
         s = summary[r]
@@ -106,7 +113,7 @@ def main() -> None:
     print("\nper dataset RMSE: " + "; ".join(
         f"{d} " + " / ".join(f"{summary[r]['per_dataset'][d]:.4f}" for r in rounds) for d in datasets))
 
-    record = {"benchmark": "imputation_rounds", "model": args.model, "suite": args.suite, "datasets": datasets,
+    record = {"benchmark": "imputation_rounds", "model": args.model, "settings": rounds, "suite": args.suite, "datasets": datasets,
               "seeds": sorted(seeds), "n_conditions": len(conditions), "round_parts": args.round_parts,
               "subset_note": None if names is None and seeds == {0, 1, 2} else
               "a subset of the public imputation suite (not the full 8 datasets x 27 conditions)",

@@ -146,16 +146,26 @@ def context_features(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardi
     parts_c, parts_q = [], []
     if spec.neighbors:
         w = relevance(a, np.asarray(y_ctx, dtype=np.float64), classes=n_classes is not None)
-        nb = Neighbors(a * w, b * w, spec.neighbors)
+        sizes = neighbor_sizes_for(spec.neighbors, n_ctx)
+        nb = Neighbors(a * w, b * w, sizes)
         nb_c, nb_q = nb.features(t)
-        parts_c += _per_size(nb_c, nb.ks, spec.neighbors, n_ctx)
-        parts_q += _per_size(nb_q, nb.ks, spec.neighbors, n_ctx)
+        parts_c += _per_size(nb_c, nb.ks, sizes, n_ctx)
+        parts_q += _per_size(nb_q, nb.ks, sizes, n_ctx)
     if spec.linear:
         folds = rng.permutation(n_ctx) % min(LINEAR_FOLDS, n_ctx)
         lin_c, lin_q = ridge_scores(a, b, t, folds)
         parts_c.append(lin_c)
         parts_q.append(lin_q)
     return np.hstack(parts_c).astype(np.float32), np.hstack(parts_q).astype(np.float32)
+
+
+def neighbor_sizes_for(sizes: tuple[int, ...], n_ctx: int) -> tuple[int, ...]:
+    """The neighbourhood sizes used with `n_ctx` context rows: each at most half the other rows. A size
+    that takes in (nearly) every other row makes a context row's leave-one-out mean (S - y_i) / (n - 1),
+    which falls as its own target rises: on small contexts the feature would be anti-correlated with the
+    target there while the query rows' is not (the model then inverts its answer)."""
+    cap = max(1, (n_ctx - 1) // 2)
+    return tuple(min(int(k), cap) for k in sizes)
 
 
 def _per_size(features: np.ndarray, computed: tuple[int, ...], requested: tuple[int, ...], n_ctx: int) -> list[np.ndarray]:

@@ -41,6 +41,31 @@ def test_neighbour_columns_leave_one_out_by_hand():
     np.testing.assert_allclose(q, [[0, 0], [1, 1]])
 
 
+def test_neighbourhoods_take_at_most_half_the_other_rows():
+    """k = 4 of 5 context rows would average every other row: leave-one-out, a row's mean then falls as
+    its own target rises (here 1 -> 0.75, 0 -> 1.0). Capped at (5 - 1) // 2 = 2, the k = 4 column is
+    the k = 2 one read off above, and follows the target."""
+    x_ctx = np.array([[0.0], [1.0], [3.0], [10.0], [11.0]], dtype=np.float32)
+    y_ctx = np.array([0, 0, 1, 1, 1])
+    x_q = np.array([[0.4], [10.6]], dtype=np.float32)
+    spec = ContextFeatureSpec(neighbors=(4,), linear=False)
+    c, q = context_features(x_ctx, x_q, np.array([NUMERIC]), np.array([0]), y_ctx, 2, spec, np.random.default_rng(0))
+    np.testing.assert_allclose(c[:, 0], [0.5, 0.5, 0, 1, 1])
+    np.testing.assert_allclose(q[:, 0], [0, 1])
+
+
+def test_a_small_context_is_not_answered_upside_down():
+    """Eight rows, y = 3x: with every other row as a neighbour the shipped regressor answered the two
+    ends the wrong way round; now each end gets its own side (tabfm-tiny-cf)."""
+    from tabfm.estimators import TabFMRegressor
+
+    for n in (6, 8, 20):
+        rng = np.random.default_rng(n)
+        x = np.repeat([0.0, 1.0], n // 2) + rng.normal(size=n) * 0.1
+        pred = TabFMRegressor(model="tabfm-tiny-cf").fit(x[:, None], 3 * x).predict(np.array([[0.0], [1.0]]))
+        assert pred[0] < 1.0 < 2.0 < pred[1], (n, pred)
+
+
 def test_width_does_not_depend_on_the_rows():
     """Fewer context rows than the largest k: the sizes coincide but every size keeps its columns."""
     rng = np.random.default_rng(1)

@@ -307,7 +307,7 @@ def test_permutations_undone_with_stub_model():
     Xm = X.copy()
     Xm.loc[[1, 4], "b"] = None
     for seed in range(50):
-        imp = TabFMImputer(model=stub, n_estimators=1, random_state=seed).fit(Xm)
+        imp = TabFMImputer(model=stub, strategy="joint", n_estimators=1, random_state=seed).fit(Xm)
         (m,) = imp._members(cover_all=True)
         j = imp.schema_.encoded_indices("b")[0]
         if _not_self_inverse(m.code_perms[j]):
@@ -487,7 +487,7 @@ def test_column_permutations_and_groups_are_undone_in_imputation(export_dir):
     rng = np.random.default_rng(0)
     X = rng.normal(size=(40, 5))
     X[rng.random(X.shape) < 0.2] = NAN
-    imp = TabFMImputer(model=export_dir, n_estimators=1, random_state=3).fit(X)
+    imp = TabFMImputer(model=export_dir, strategy="joint", n_estimators=1, random_state=3).fit(X)
     (m,) = imp._members(cover_all=True)
     assert (m.column_groups[0] != np.arange(5)).any()
     out = imp.transform(X)
@@ -496,7 +496,7 @@ def test_column_permutations_and_groups_are_undone_in_imputation(export_dir):
     direct = numeric_mean(forward_eval(load_model(export_dir), batch, id_seed=m.seed & 0xFFFFFFFF)).numpy()
     np.testing.assert_allclose(out[np.isnan(X)], direct, rtol=1e-4, atol=1e-4)
     # split into column groups of 2: every missing cell is still filled, observed cells untouched
-    grouped = TabFMImputer(model=export_dir, n_estimators=2, random_state=3, max_columns=2).fit(X).transform(X)
+    grouped = TabFMImputer(model=export_dir, strategy="joint", n_estimators=2, random_state=3, max_columns=2).fit(X).transform(X)
     assert not np.isnan(grouped).any() and (grouped[~np.isnan(X)] == X[~np.isnan(X)]).all()
 
 

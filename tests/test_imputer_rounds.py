@@ -51,27 +51,27 @@ def copies(n: int = 80, seed: int = 0) -> np.ndarray:
 def test_one_round_is_the_default_bit_for_bit():
     X = mixed()
     for kw in ({}, {"n_estimators": 2, "max_columns": 3, "random_state": 4}):
-        default = TabFMImputer(**kw).fit(X).transform(X)
-        pd.testing.assert_frame_equal(TabFMImputer(n_rounds=1, round_parts=2, **kw).fit(X).transform(X), default)
+        default = TabFMImputer(strategy="joint", **kw).fit(X).transform(X)
+        pd.testing.assert_frame_equal(TabFMImputer(strategy="joint", n_rounds=1, round_parts=2, **kw).fit(X).transform(X), default)
     # round_parts=1 hides a row's missing cells all together again: round 1 repeated, so nothing changes
-    pd.testing.assert_frame_equal(TabFMImputer(n_rounds=3, round_parts=1).fit(X).transform(X),
-                                  TabFMImputer().fit(X).transform(X))
+    pd.testing.assert_frame_equal(TabFMImputer(strategy="joint", n_rounds=3, round_parts=1).fit(X).transform(X),
+                                  TabFMImputer(strategy="joint").fit(X).transform(X))
 
 
 def test_rounds_change_only_missing_cells_and_are_deterministic():
     X = mixed()
     missing = X.isna().to_numpy()
-    one = TabFMImputer(n_estimators=2).fit(X).transform(X)
-    two = TabFMImputer(n_estimators=2, n_rounds=2).fit(X).transform(X)
+    one = TabFMImputer(strategy="joint", n_estimators=2).fit(X).transform(X)
+    two = TabFMImputer(strategy="joint", n_estimators=2, n_rounds=2).fit(X).transform(X)
     assert not two.isna().to_numpy().any() and two.dtypes.to_dict() == X.dtypes.to_dict()
     for j, col in enumerate(X.columns):
         seen = ~missing[:, j]
         assert (two.loc[seen, col] == X.loc[seen, col]).all(), col
     assert (two["u"] != one["u"]).any() and (two["v"] != one["v"]).any()  # estimates moved
-    again = TabFMImputer(n_estimators=2, n_rounds=2).fit(X).transform(X)
+    again = TabFMImputer(strategy="joint", n_estimators=2, n_rounds=2).fit(X).transform(X)
     pd.testing.assert_frame_equal(again, two)
     # a row's answer is its own (the parts are dealt per row): any subset of the rows gives the same
-    imp = TabFMImputer(n_estimators=2, n_rounds=2).fit(X)
+    imp = TabFMImputer(strategy="joint", n_estimators=2, n_rounds=2).fit(X)
     pd.testing.assert_frame_equal(imp.transform(X.iloc[::3]), two.iloc[::3])
 
 
@@ -85,10 +85,10 @@ def test_a_later_round_is_round_one_given_the_other_estimates(table):
     frame = pd.DataFrame(X)
     missing = frame.isna().to_numpy()
     kw = {"n_estimators": 2, "round_parts": frame.shape[1]}
-    base = TabFMImputer(**kw).fit(X)
+    base = TabFMImputer(strategy="joint", **kw).fit(X)
     previous = pd.DataFrame(base.transform(X))
     for rounds in (2, 3):
-        got = pd.DataFrame(TabFMImputer(n_rounds=rounds, **kw).fit(X).transform(X))
+        got = pd.DataFrame(TabFMImputer(strategy="joint", n_rounds=rounds, **kw).fit(X).transform(X))
         for j in range(frame.shape[1]):
             rows = missing[:, j]
             if not rows.any():
@@ -118,7 +118,7 @@ def test_a_visible_copy_is_copied():
     is predicted with round 1's b visible and copies it, and b copies round 1's a: the rows where
     round 1 disagreed come out swapped; round 3 copies round 2 and swaps them back."""
     X, both = cat_copies()
-    one, two, three = (TabFMImputer(n_estimators=2, n_rounds=r, round_parts=2).fit(X).transform(X) for r in (1, 2, 3))
+    one, two, three = (TabFMImputer(strategy="joint", n_estimators=2, n_rounds=r, round_parts=2).fit(X).transform(X) for r in (1, 2, 3))
     assert (one.a[both] != one.b[both]).sum() >= 1  # a close call (how many depends on the weights), so the swaps below are seen
     assert (two.a[both] == one.b[both]).all() and (two.b[both] == one.a[both]).all()
     assert (three.a[both] == two.b[both]).all() and (three.b[both] == two.a[both]).all()
@@ -143,7 +143,7 @@ def test_progress_bar_counts_every_pass(monkeypatch):
             self.n += n
 
     for rounds, parts, total in ((1, 4, 1), (2, 4, 3), (3, 4, 5), (3, 1, 1)):
-        imp = TabFMImputer(n_estimators=1, n_rounds=rounds, round_parts=parts).fit(X)
+        imp = TabFMImputer(strategy="joint", n_estimators=1, n_rounds=rounds, round_parts=parts).fit(X)
         monkeypatch.setattr(imp, "_bar", lambda passes, what: Bar(passes))
         imp.transform(X)
         assert seen[-1] == (total, total), (rounds, parts)
@@ -154,23 +154,26 @@ def test_progress_bar_counts_every_pass(monkeypatch):
 def test_bad_values_raise_naming_the_parameter(name, value):
     X = copies(20)
     with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got {value!r}"):
-        TabFMImputer(**{name: value}).fit(X)
-    imp = TabFMImputer().fit(X).set_params(**{name: value})
+        TabFMImputer(strategy="joint", **{name: value}).fit(X)
+    imp = TabFMImputer(strategy="joint").fit(X).set_params(**{name: value})
     with pytest.raises(ValueError, match=name):
         imp.transform(X)
 
 
 def test_params_clone_and_pickles_from_before_the_parameters():
     X = copies(40)
-    est = TabFMImputer(n_rounds=3, round_parts=2)
+    est = TabFMImputer(strategy="joint", n_rounds=3, round_parts=2)
     params = clone(est).get_params()
     assert params["n_rounds"] == 3 and params["round_parts"] == 2
-    assert TabFMImputer().get_params()["n_rounds"] == 1 and TabFMImputer().get_params()["round_parts"] == 4
-    fitted = TabFMImputer(n_estimators=1).fit(X)
+    assert TabFMImputer(strategy="joint").get_params()["n_rounds"] == 1 and TabFMImputer(strategy="joint").get_params()["round_parts"] == 4
+    fitted = TabFMImputer(strategy="joint", n_estimators=1).fit(X)
     expected = fitted.transform(X)
     for name in ("n_rounds", "round_parts"):  # as an imputer pickled before they existed
         del fitted.__dict__[name]
     np.testing.assert_array_equal(fitted.transform(X), expected)
+    for name in ("strategy", "table_"):  # older still: unpickled, it imputes jointly, as it did then
+        del fitted.__dict__[name]
     old = pickle.loads(pickle.dumps(fitted))
     assert old.get_params()["n_rounds"] == 1 and clone(old).get_params()["round_parts"] == 4
+    assert old.get_params()["strategy"] == "joint"  # what an imputer pickled then did
     np.testing.assert_array_equal(old.transform(X), expected)

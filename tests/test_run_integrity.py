@@ -203,6 +203,8 @@ def test_estimators_refuse_non_finite_model_outputs():
     holes = X.copy()
     holes[[1, 5], [0, 2]] = np.nan
     with pytest.raises(ValueError, match="gave NaN or infinity for .* imputed cells"):
+        TabFMImputer(model=model, n_estimators=1, strategy="joint").fit(X[:30]).transform(holes)
+    with pytest.raises(ValueError, match="gave NaN or infinity for .* predictions"):  # a column's regressor refuses
         TabFMImputer(model=model, n_estimators=1).fit(X[:30]).transform(holes)
 
 

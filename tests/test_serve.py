@@ -105,6 +105,17 @@ def test_impute_and_anomaly_equal_the_estimators(client, table):
     local = TabFMImputer(n_estimators=1).fit_transform(holes)
     pd.testing.assert_frame_equal(pd.DataFrame(out["table"]), local)
     assert out["n_filled"] == int(holes.isna().sum().sum())
+    for params in ({**ONE, "strategy": "joint"}, {**ONE, "n_rounds": 2}):  # the other strategy, a second round
+        out = ok(client.post("/v1/impute", json={"query": cols(holes), "params": params}))
+        pd.testing.assert_frame_equal(pd.DataFrame(out["table"]), TabFMImputer(**params).fit_transform(holes))
+    # a registered context: the per-column estimators (and their encodings) are kept, answers unchanged
+    info = ok(client.post("/v1/contexts", json={"task": "imputation", "context": cols(holes.iloc[:40]),
+                                                "params": {**ONE, "n_rounds": 2}}))
+    local = TabFMImputer(n_estimators=1, n_rounds=2).fit(holes.iloc[:40])
+    for _ in range(2):
+        out = ok(client.post("/v1/impute", json={"context_id": info["context_id"], "query": cols(holes.iloc[40:])}))
+        pd.testing.assert_frame_equal(pd.DataFrame(out["table"]).set_axis(holes.index[40:]),
+                                      local.transform(holes.iloc[40:]))
 
     ctx, q = table.iloc[:40][FEATURES], table.iloc[40:][FEATURES]
     det = TabFMAnomalyDetector(n_estimators=1, contamination=0.2).fit(ctx)

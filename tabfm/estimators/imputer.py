@@ -1,7 +1,18 @@
 """TabFMImputer: fill every missing cell of a table from the rest of it, in context.
 
-The fitted rows are the context; each row to fill is a query row whose missing cells are
-hidden cells to predict (its observed cells stay visible to it). Numeric cells get the
+Two strategies (`strategy`). "columns" (the default): each column with missing cells is a target,
+predicted from the row's other columns exactly as TabFMRegressor (numeric columns) or
+TabFMClassifier (categorical and boolean columns) predict one: the fitted rows where that column
+is observed are the context, with the context features the model was pretrained with (MissForest's
+layout, one supervised model per column, with the foundation model in place of the forest). It
+costs one supervised prediction (n_estimators members) per column with missing cells and round.
+Later rounds (`n_rounds`) show the other missing cells filled with the previous round's estimates,
+in the query rows and the fitted rows alike, as MissForest iterates. Datetime columns, and every
+column of a one-column table, take the joint path (one round).
+
+"joint": the fitted rows are the context; each row to fill is a query row whose missing cells are
+hidden cells to predict (its observed cells stay visible to it), all in one pass per member and
+column group. Numeric cells get the
 predictive mean (members averaged); categorical and boolean cells the most probable category
 (members' probabilities averaged, decoded with the schema); datetimes are predicted through
 their epoch part. Columns the model cannot predict are filled with their most frequent fitted
@@ -11,7 +22,7 @@ to learn from and stay missing (UserWarning). Observed cells come back exactly a
 output is the input's format: a DataFrame with its index, columns and dtypes, or an array of
 the input's dtype.
 
-Rounds (`n_rounds`, like MICE / MissForest): round 1 predicts every missing cell of a row at once,
+Rounds of the joint strategy (`n_rounds`, like MICE / MissForest): round 1 predicts every missing cell of a row at once,
 with the row's other missing cells hidden too. Each later round re-predicts them with the other
 missing cells visible, filled with the previous round's estimates (ensemble-averaged, in the
 encoded space: numeric predictive mean, categorical most probable code). A member cannot show a
@@ -43,14 +54,25 @@ from tabfm.model import ModelOutput
 from tabfm.model.predict import class_probabilities, numeric_mean
 from tabfm.weights import DEFAULT_MODELS
 
-from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS, Runtime,
-                   TabFMEstimator)
+from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS,
+                   DEFAULT_N_ESTIMATORS, Runtime, TabFMEstimator)
+from .classifier import TabFMClassifier
 from .ensemble import Member, subsample
+from .regressor import TabFMRegressor
 
 MODEL_TYPES = (NUMERIC_T, BOOLEAN_T, CATEGORICAL_T, DATETIME_T)
+TARGET_TYPES = (NUMERIC_T, BOOLEAN_T, CATEGORICAL_T)  # what strategy="columns" predicts as a supervised target
+STRATEGIES = ("columns", "joint")
+DEFAULT_STRATEGY = "columns"
+COLUMN_KEY = 13  # keys a column's supervised seed apart from the members' other draws
 DEFAULT_N_ROUNDS = 1
 DEFAULT_ROUND_PARTS = 4
 ROUND_KEY = 11  # keys a member's per-round order of its columns apart from its other choices (anomaly uses 7-9)
+
+
+def column_seed(ensemble_seed: int, j: int) -> int:
+    """random_state of the supervised estimator that strategy="columns" fits for source column j."""
+    return int(np.random.SeedSequence([ensemble_seed, COLUMN_KEY, j]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def _fill(s: pd.Series, missing: np.ndarray, values: Any) -> pd.Series:
@@ -70,11 +92,17 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
 
     See the module docstring for what each column type gets.
 
-    n_rounds     imputation rounds (int >= 1). 1 (the default): every missing cell of a row is
-                 predicted in one pass, the row's other missing cells hidden with it. Each further
-                 round re-predicts them with the other missing cells filled with the previous
-                 round's estimates (see the module docstring); it costs up to `round_parts` more
-                 passes per member and column group.
+    strategy     "columns" (default): each column with missing cells is predicted from the other
+                 columns by the supervised estimator of its type, the rows where it is observed as
+                 context (module docstring). "joint": every missing cell of a row in one pass.
+                 Public imputation suite: BENCHMARKS.md "Imputation, one column at a time".
+
+    n_rounds     imputation rounds (int >= 1). 1 (the default): every missing cell is predicted
+                 with the row's other missing cells hidden (joint: in one pass). Each further round
+                 re-predicts them with the other missing cells filled with the previous round's
+                 estimates (see the module docstring). "columns": a round costs one more supervised
+                 prediction per column (and, for rows other than the fitted ones, one for the fitted
+                 rows' own estimates); "joint": up to `round_parts` more passes per member and group.
     round_parts  at most this many parts (int >= 1, default 4) a row's missing source columns are
                  split into per member and column group in rounds after the first; a part is hidden
                  while the row's other missing cells show the previous estimates. A row's parts are
@@ -88,18 +116,20 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None, backend: str = "torch", n_rounds: int = DEFAULT_N_ROUNDS,
-                 round_parts: int = DEFAULT_ROUND_PARTS) -> None:
+                 round_parts: int = DEFAULT_ROUND_PARTS, strategy: str = DEFAULT_STRATEGY) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, backend=backend)
         self.n_rounds = n_rounds
         self.round_parts = round_parts
+        self.strategy = strategy
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # an imputer pickled before the parameters existed: today's behaviour, and get_params / clone work
         state = dict(state)
         state.setdefault("n_rounds", DEFAULT_N_ROUNDS)
         state.setdefault("round_parts", DEFAULT_ROUND_PARTS)
+        state.setdefault("strategy", "joint")  # what it did then
         super().__setstate__(state)
 
     def _check_params(self) -> None:
@@ -108,9 +138,13 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
             value = getattr(self, name, default)
             if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        strategy = getattr(self, "strategy", DEFAULT_STRATEGY)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
     def fit(self, X: Any, y: Any = None) -> "TabFMImputer":
         frame = self._fit_table(X)
+        self.table_ = frame.copy()  # strategy="columns" fits a supervised estimator per column on it
         self.modes_ = {}
         for spec in self.schema_.columns:
             counts = frame[spec.name].value_counts(dropna=True)
@@ -126,15 +160,26 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
             return X.copy() if isinstance(X, pd.DataFrame) else np.array(X)
         rt = self._runtime()
         imputable = [self._imputable(spec, rt) for spec in self.schema_.columns]
-        decoded = self.schema_.inverse_transform(self._impute_encoded(rt, x, imputable))
+        by_column = [self._by_column(spec) for spec in self.schema_.columns]
+        joint = [ok and not col for ok, col in zip(imputable, by_column)]
+        joint_missing = any(j and missing[:, i].any() for i, j in enumerate(joint))
+        decoded = self.schema_.inverse_transform(self._impute_encoded(rt, x, joint)) if joint_missing else None
+        column_table = getattr(self, "table_", None)
+        if any(by_column) and column_table is None:  # an imputer pickled before table_ existed
+            column_table = self.schema_.inverse_transform(self.train_x_)
+        targets = [j for j in range(len(by_column)) if by_column[j] and missing[:, j].any()]
 
         filled: list[pd.Series] = []
         fallback, empty = [], []
+        columns = self._impute_by_column(frame, targets, column_table) if targets else {}
+        by_column_frame = self._filled(frame, columns, {j: missing[:, j] for j in columns})
         for j, spec in enumerate(self.schema_.columns):
             s, miss = frame[spec.name], missing[:, j]
             if not miss.any():
                 filled.append(s)
-            elif imputable[j]:
+            elif by_column[j] and columns[j] is not None:
+                filled.append(by_column_frame[spec.name])
+            elif joint[j]:
                 filled.append(_fill(s, miss, decoded[spec.name].to_numpy()))
             elif self.modes_[spec.name] is not None:
                 fallback.append(spec.name)
@@ -169,6 +214,87 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
         return names
 
     # ------------------------------------------------------------------ helpers
+    def _by_column(self, spec: ColumnSpec) -> bool:
+        """strategy="columns" predicts this column as a supervised target (needs another column to read)."""
+        return (getattr(self, "strategy", DEFAULT_STRATEGY) == "columns" and spec.type in TARGET_TYPES
+                and len(self.schema_.columns) > 1)
+
+    def _impute_by_column(self, frame: pd.DataFrame, targets: list[int], table: pd.DataFrame,
+                          n_rounds: int | None = None) -> dict[int, np.ndarray | None]:
+        """strategy="columns": each target column's values for its missing rows of `frame` (None where the
+        column is observed in no fitted row), after `n_rounds` rounds. Round 1 shows a row's other missing
+        cells as missing; round r > 1 shows every other target cell filled with round r - 1's estimates, in
+        the query rows and in the fitted rows alike (the fitted table's own estimates, computed once here
+        unless `frame` is that table), like MissForest's later iterations."""
+        n_rounds = int(getattr(self, "n_rounds", DEFAULT_N_ROUNDS)) if n_rounds is None else n_rounds
+        same = frame.equals(table)
+        names = [self.schema_.columns[j].name for j in targets]
+        miss = {j: frame[name].isna().to_numpy() for j, name in zip(targets, names)}
+        out: dict[int, np.ndarray | None] = {}
+        shown_table = None
+        with self._bar(len(targets) * n_rounds, "transform[columns]") as bar:
+            for round_ in range(1, n_rounds + 1):
+                shown = frame if round_ == 1 else self._filled(frame, out, miss)
+                if round_ > 1:
+                    if same:
+                        shown_table = shown
+                    else:  # the fitted rows shown as the query rows are: filled by the previous round
+                        table_targets = [j for j in range(len(self.schema_.columns))
+                                         if self._by_column(self.schema_.columns[j])
+                                         and table[self.schema_.columns[j].name].isna().any()]
+                        prev = self._impute_by_column(table, table_targets, table, round_ - 1)
+                        shown_table = self._filled(table, prev, {j: table[self.schema_.columns[j].name].isna().to_numpy()
+                                                                 for j in table_targets})
+                now = {}
+                for j, name in zip(targets, names):
+                    est = self._column_estimator(j, table, round_, shown_table)
+                    now[j] = None if est is None else est.predict(shown.loc[miss[j]].drop(columns=[name]))
+                    bar.update()
+                out = now
+        return out
+
+    def _filled(self, frame: pd.DataFrame, values: dict[int, np.ndarray | None], miss: dict[int, np.ndarray]) -> pd.DataFrame:
+        """frame with each column j's missing rows `miss[j]` set to `values[j]` (kept missing where None)."""
+        out = frame.copy()
+        for j, v in values.items():
+            if v is None:
+                continue
+            spec = self.schema_.columns[j]
+            numeric = spec.type == NUMERIC_T
+            full = np.full(len(frame), np.nan) if numeric else np.empty(len(frame), dtype=object)
+            full[miss[j]] = v if numeric else list(v)
+            out[spec.name] = _fill(frame[spec.name], miss[j], full)
+        return out
+
+    # the supervised estimators strategy="columns" fits (the server swaps in ones that keep their encodings)
+    column_estimators = {"regression": TabFMRegressor, "classification": TabFMClassifier}
+
+    def _column_estimator(self, j: int, table: pd.DataFrame, round_: int = 1,
+                          shown: pd.DataFrame | None = None) -> TabFMRegressor | TabFMClassifier | None:
+        """The supervised estimator of column j's type, fitted on the rows of the fitted `table` where j is
+        observed, the other columns as features: as `table` holds them (round 1), or as `shown` (the fitted
+        table filled by the previous round; later rounds). None when j is observed in no fitted row."""
+        spec = self.schema_.columns[j]
+        observed = table[spec.name].notna().to_numpy()
+        if not observed.any():
+            return None
+        params = dict(model=self.model, n_estimators=self.n_estimators, random_state=column_seed(self.ensemble_seed_, j),
+                      device=self.device, precision=self.precision, max_context_rows=self.max_context_rows,
+                      max_columns=min(self.max_columns, DEFAULT_MAX_COLUMNS_SUPERVISED), chunk_size=self.chunk_size,
+                      progress=False, backend=self.backend)
+        y = table.loc[observed, spec.name]
+        if spec.type == NUMERIC_T:
+            est = self.column_estimators["regression"](**params)
+            y = y.astype(np.float64)
+        else:
+            if spec.type == BOOLEAN_T:
+                y = y.astype(bool)  # object columns of True / False are not class labels to sklearn
+            est = self.column_estimators["classification"](**params, max_classes=max(100, int(y.nunique())))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="y has a single class")  # then that class is the answer
+            features = table if shown is None else shown
+            return est.fit(features.loc[observed].drop(columns=[spec.name]), y)
+
     def _imputable(self, spec: ColumnSpec, rt: Runtime) -> bool:
         """The model predicts this source column (through its first encoded part)."""
         first = spec.encoded_columns()[0]

@@ -84,7 +84,33 @@ class ServedRegressor(KeepsContexts, TabFMRegressor):
 
 
 class ServedImputer(KeepsContexts, TabFMImputer):
-    """TabFMImputer that keeps its members' encoded contexts."""
+    """TabFMImputer that keeps its members' encoded contexts, and (strategy="columns") its fitted
+    per-column estimators with theirs."""
+
+    column_estimators = {"regression": ServedRegressor, "classification": ServedClassifier}
+
+    def _kept_columns(self) -> dict:
+        return self.__dict__.setdefault("_column_estimators", {})
+
+    def _column_estimator(self, j: int, table: Any, round_: int = 1, shown: Any = None) -> Any:
+        kept = self._kept_columns()
+        if (j, round_) not in kept:  # a round's fitted rows are a function of the fitted table alone
+            kept[(j, round_)] = super()._column_estimator(j, table, round_, shown)
+        return kept[(j, round_)]
+
+    def encoded_bytes(self) -> int:
+        return super().encoded_bytes() + sum(e.encoded_bytes() for e in self._kept_columns().values() if e is not None)
+
+    def drop_encoded(self) -> None:
+        super().drop_encoded()
+        for e in self._kept_columns().values():
+            if e is not None:
+                e.drop_encoded()
+
+    def table_bytes(self) -> int:
+        table = getattr(self, "table_", None)  # the fitted frame the per-column estimators are fitted on
+        own = 0 if table is None else int(table.memory_usage(deep=True).sum())
+        return super().table_bytes() + own + sum(e.table_bytes() for e in self._kept_columns().values() if e is not None)
 
 
 class ServedAnomalyDetector(KeepsContexts, TabFMAnomalyDetector):

@@ -74,6 +74,10 @@ class ImputerParams(CommonParams):
     """TabFMImputer's parameters."""
 
     max_columns: int = Field(DEFAULT_MAX_COLUMNS, ge=1)
+    strategy: Literal["columns", "joint"] = Field("columns", description="columns: each column with missing cells "
+                                                  "predicted as a supervised target; joint: a row's missing cells in one pass")
+    n_rounds: int = Field(1, ge=1, le=10, description="rounds: each later one re-predicts the missing cells with the "
+                                                        "others filled by the previous round's estimates")
 
 
 class AnomalyParams(CommonParams):
