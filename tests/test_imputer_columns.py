@@ -115,3 +115,12 @@ def test_a_later_round_refits_each_column_on_the_filled_table():
     out = imp.transform(new)
     assert not out.isna().any().any()
     pd.testing.assert_frame_equal(out, imp.transform(new))
+
+
+def test_text_columns_fall_back_to_the_mode_with_a_warning_naming_them():
+    X, _ = related(n=80, seed=4)
+    X["note"] = [f"free text {i}" for i in range(80)]  # distinct strings: a text column
+    X.loc[[2, 9], "note"] = None
+    with pytest.warns(UserWarning, match=r"columns \['note'\] cannot be predicted by the model \(text or constant\)"):
+        out = TabFMImputer(n_estimators=1).fit_transform(X)
+    assert out.loc[[2, 9], "note"].notna().all() and not out.isna().any().any()

@@ -188,9 +188,9 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                 empty.append(spec.name)
                 filled.append(s)
         if fallback:
-            warnings.warn(f"columns {fallback} cannot be predicted by the model (text, constant, or more categories "
-                          "than its head): missing cells filled with the most frequent fitted value", UserWarning,
-                          stacklevel=2)
+            why = "text or constant" if any(by_column) else "text, constant, or more categories than its head"
+            warnings.warn(f"columns {fallback} cannot be predicted by the model ({why}): missing cells filled with the "
+                          "most frequent fitted value", UserWarning, stacklevel=2)
         if empty:
             warnings.warn(f"columns {empty} were all missing at fit: their missing cells stay missing",
                           UserWarning, stacklevel=2)
