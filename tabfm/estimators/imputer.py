@@ -219,38 +219,36 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
         return (getattr(self, "strategy", DEFAULT_STRATEGY) == "columns" and spec.type in TARGET_TYPES
                 and len(self.schema_.columns) > 1)
 
-    def _impute_by_column(self, frame: pd.DataFrame, targets: list[int], table: pd.DataFrame,
-                          n_rounds: int | None = None) -> dict[int, np.ndarray | None]:
+    def _impute_by_column(self, frame: pd.DataFrame, targets: list[int], table: pd.DataFrame) -> dict[int, np.ndarray | None]:
         """strategy="columns": each target column's values for its missing rows of `frame` (None where the
         column is observed in no fitted row), after `n_rounds` rounds. Round 1 shows a row's other missing
         cells as missing; round r > 1 shows every other target cell filled with round r - 1's estimates, in
-        the query rows and in the fitted rows alike (the fitted table's own estimates, computed once here
-        unless `frame` is that table), like MissForest's later iterations."""
-        n_rounds = int(getattr(self, "n_rounds", DEFAULT_N_ROUNDS)) if n_rounds is None else n_rounds
+        the query rows and in the fitted rows alike (the fitted table's own estimates, computed alongside,
+        a round at a time, unless `frame` is that table), like MissForest's later iterations."""
+        n_rounds = int(getattr(self, "n_rounds", DEFAULT_N_ROUNDS))
         same = frame.equals(table)
-        names = [self.schema_.columns[j].name for j in targets]
-        miss = {j: frame[name].isna().to_numpy() for j, name in zip(targets, names)}
+        miss = {j: frame[self.schema_.columns[j].name].isna().to_numpy() for j in targets}
+        # rows other than the fitted ones: the fitted table's own estimates go along, a round behind
+        t_miss = {} if same else {j: table[spec.name].isna().to_numpy() for j, spec in enumerate(self.schema_.columns)
+                                  if self._by_column(spec) and table[spec.name].isna().any()}
         out: dict[int, np.ndarray | None] = {}
-        shown_table = None
-        with self._bar(len(targets) * n_rounds, "transform[columns]") as bar:
+        t_out: dict[int, np.ndarray | None] = {}
+        with self._bar((len(targets) + len(t_miss)) * n_rounds - len(t_miss), "transform[columns]") as bar:
             for round_ in range(1, n_rounds + 1):
                 shown = frame if round_ == 1 else self._filled(frame, out, miss)
-                if round_ > 1:
-                    if same:
-                        shown_table = shown
-                    else:  # the fitted rows shown as the query rows are: filled by the previous round
-                        table_targets = [j for j in range(len(self.schema_.columns))
-                                         if self._by_column(self.schema_.columns[j])
-                                         and table[self.schema_.columns[j].name].isna().any()]
-                        prev = self._impute_by_column(table, table_targets, table, round_ - 1)
-                        shown_table = self._filled(table, prev, {j: table[self.schema_.columns[j].name].isna().to_numpy()
-                                                                 for j in table_targets})
-                now = {}
-                for j, name in zip(targets, names):
+                shown_table = None if round_ == 1 else shown if same else self._filled(table, t_out, t_miss)
+                now, t_now = {}, {}
+                for j in sorted(set(targets) | (set(t_miss) if round_ < n_rounds else set())):
+                    name = self.schema_.columns[j].name
                     est = self._column_estimator(j, table, round_, shown_table)
-                    now[j] = None if est is None else est.predict(shown.loc[miss[j]].drop(columns=[name]))
-                    bar.update()
-                out = now
+                    if j in miss:
+                        now[j] = None if est is None else est.predict(shown.loc[miss[j]].drop(columns=[name]))
+                        bar.update()
+                    if j in t_miss and round_ < n_rounds:
+                        rows = (table if shown_table is None else shown_table).loc[t_miss[j]].drop(columns=[name])
+                        t_now[j] = None if est is None else est.predict(rows)
+                        bar.update()
+                out, t_out = now, t_now
         return out
 
     def _filled(self, frame: pd.DataFrame, values: dict[int, np.ndarray | None], miss: dict[int, np.ndarray]) -> pd.DataFrame:
