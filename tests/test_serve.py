@@ -6,6 +6,7 @@ The shipped tabfm-tiny weights on 40-row tables with n_estimators=1 keep every c
 """
 from __future__ import annotations
 
+import inspect
 import io
 import threading
 import time
@@ -29,6 +30,7 @@ from tabfm.serve.batching import Batcher, lane_of
 from tabfm.serve.config import PRECISIONS, ServeConfig
 from tabfm.serve.estimators import ServedClassifier
 from tabfm.serve.metrics import Metrics
+from tabfm.serve.schemas import PARAMS
 from tabfm.weights import DEFAULT_MODELS
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -126,6 +128,24 @@ def test_impute_and_anomaly_equal_the_estimators(client, table):
     assert out["labels"] == list(det.predict(q)) and out["offset"] == det.offset_
     own = ok(client.post("/v1/anomaly-score", json={"context": cols(ctx), "params": params}))  # the context scores itself
     np.testing.assert_array_equal(own["scores"], det.score_samples(ctx))
+    grouped = TabFMAnomalyDetector(n_estimators=1, columns_per_copy=0.5).fit(ctx)  # fewer copies: other scores
+    out = ok(client.post("/v1/anomaly-score", json={"context": cols(ctx), "query": cols(q),
+                                                    "params": {**ONE, "columns_per_copy": 0.5}}))
+    np.testing.assert_array_equal(out["scores"], grouped.score_samples(q))
+    assert not np.allclose(out["scores"], det.score_samples(q))
+
+
+def test_request_params_default_to_the_estimators_own_defaults():
+    """A parameter a request leaves out must mean what the in-process estimator's default means."""
+    served_by_server = {"model", "device", "precision", "progress", "backend"}  # the server's own choices
+    for task, estimator in [("classification", TabFMClassifier), ("regression", TabFMRegressor),
+                            ("imputation", TabFMImputer), ("anomaly", TabFMAnomalyDetector)]:
+        schema = PARAMS[task]().model_dump()
+        signature = {k: p.default for k, p in inspect.signature(estimator.__init__).parameters.items() if k != "self"}
+        assert set(signature) - set(schema) <= served_by_server, (task, set(signature) - set(schema))
+        for name, value in schema.items():
+            default = signature[name]
+            assert (list(default) if isinstance(default, tuple) else default) == value, (task, name, value, default)
 
 
 def test_served_estimators_keep_encodings_and_answer_the_same(table):
@@ -326,6 +346,8 @@ def _bad_cases(table: pd.DataFrame) -> list[tuple[str, dict | bytes, int, str, d
         ("/v1/classify", {**good, "params": {"n_estimators": 3}}, 422, "too_many_estimators",
          {"field": "params.n_estimators", "limit": 2}),
         ("/v1/classify", {**good, "params": {"n_trees": 3}}, 422, "invalid_request", {"field": "params.n_trees"}),
+        ("/v1/anomaly-score", {"context": good["context"], "params": {"columns_per_copy": 1.5}}, 422, "invalid_request",
+         {"field": "params.columns_per_copy"}),
         ("/v1/classify", {**good, "query": {"a": [1.0, {"x": 1}]}}, 422, "invalid_request",
          {"column": "a", "row": 1}),
         ("/v1/classify", {k: v for k, v in good.items() if k != "target"}, 422, "invalid_request", {}),

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from tabfm.estimators.base import (DEFAULT_MAX_COLUMNS, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS,
                                    DEFAULT_N_ESTIMATORS, DEFAULT_N_NEIGHBORS)
+from tabfm.estimators.anomaly import DEFAULT_COLUMNS_PER_COPY
+from tabfm.estimators.imputer import DEFAULT_ROUND_PARTS
 from tabfm.inference import DEFAULT_CHUNK_SIZE
 
 Cell = Union[StrictBool, StrictInt, float, str, None]
@@ -78,6 +80,8 @@ class ImputerParams(CommonParams):
                                                   "predicted as a supervised target; joint: a row's missing cells in one pass")
     n_rounds: int = Field(1, ge=1, le=10, description="rounds: each later one re-predicts the missing cells with the "
                                                         "others filled by the previous round's estimates")
+    round_parts: int = Field(DEFAULT_ROUND_PARTS, ge=1, description="strategy=joint, rounds after the first: at most this many parts a "
+                             "row's missing columns are re-predicted in, each with the others filled")
 
 
 class AnomalyParams(CommonParams):
@@ -87,6 +91,21 @@ class AnomalyParams(CommonParams):
     contamination: float = Field(0.1, gt=0.0, le=0.5, description="expected outlier share: sets the offset")
     n_folds: int = Field(5, ge=2)
     max_offset_rows: Optional[int] = Field(512, ge=1)
+    columns_per_copy: Union[int, float] = Field(
+        DEFAULT_COLUMNS_PER_COPY, description="source columns hidden together per query copy of a row: an int >= 1, "
+        "or a fraction in (0, 1] of the scored columns; fewer copies, fewer passes",
+        json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1},
+                                     {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]})
+
+    @field_validator("columns_per_copy", mode="plain")
+    @classmethod
+    def _columns_per_copy(cls, value: Any) -> Union[int, float]:
+        """One check for both forms, so a refusal names the field itself (not a branch of a union)."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if isinstance(value, float) and 0.0 < value <= 1.0:
+            return value
+        raise ValueError(f"must be an int >= 1 or a float in (0, 1], got {value!r}")
 
 
 PARAMS = {"classification": ClassifierParams, "regression": RegressorParams, "imputation": ImputerParams,
