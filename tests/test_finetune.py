@@ -444,6 +444,16 @@ def test_cli_finetune_runs_and_resumes(tmp_path, table_csv, random_export, capsy
     assert code == 0 and "resuming" in text and "stopped: finished" in text and "rules/logloss" in text
 
 
+def test_adapters_default_to_a_tenfold_learning_rate():
+    """lr left out: 1e-4 for full fine-tuning, 1e-3 with adapters (B starts at zero), however the config is made."""
+    assert FinetuneConfig().peak_lr == 1e-4
+    assert FinetuneConfig.preset("default", lora_rank=8).peak_lr == 1e-3
+    assert FinetuneConfig().replace(lora_rank=8).peak_lr == 1e-3  # not frozen at the full run's value
+    assert FinetuneConfig(lora_rank=8, lr=2e-4).peak_lr == 2e-4
+    with pytest.raises(ValueError, match="lr"):
+        FinetuneConfig(lr=0.0)
+
+
 def test_cli_lora_run_exports_from_its_adapter_checkpoints(tmp_path, table_csv, random_export, capsys):
     """`tabfm finetune --lora-rank 4` then `tabfm export RUN/checkpoints/step_N OUT`: the checkpoint holds
     adapters only; the export rebuilds the init + adapters and merges them, equal to the run's own export
@@ -471,6 +481,7 @@ def test_cli_lora_run_exports_from_its_adapter_checkpoints(tmp_path, table_csv, 
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["finetune"]["lora"] == {"rank": 4, "alpha": 8.0, "scale": 2.0,
                                           "targets": ["blocks.*.mlp.fc1", "blocks.*.row_attn.qkv"]}
+    assert config["train"]["lr"] == 3e-3  # an explicit --lr wins over the adapters' default
     assert run_cli([*args[:-2]], capsys)[0] == 2  # another adapter layout: refused, the run is not resumed
 
 

@@ -47,7 +47,7 @@ _HELP = {
     "init": "starting weights: a shipped model name or an export directory (default tabfm-tiny-cf)",
     "steps": "optimizer steps of the whole run, also the length of the cosine schedule (default 300)",
     "max_minutes": "wall-clock budget of this invocation in minutes; rerunning the command resumes (default: none)",
-    "lr": "peak learning rate (default 1e-4)",
+    "lr": "peak learning rate (default 1e-4; 1e-3 with --lora-rank)",
     "replay": "share of batches replayed against forgetting, drawn per batch from the seed: from the synthetic "
               "prior, or from --replay-data's tables (default 0)",
     "holdout": "share of each table's rows held out for evaluation, stratified for classification (default 0.2)",

@@ -65,6 +65,7 @@ _RUN_DEFAULTS = {"holdout_tables": 0}  # what a record written before a key exis
 _REPLAY = 3  # spawn-key domain of the per-position replay draw
 _HOLDOUT_TABLES = 4  # spawn-key domain of the choice of held-out tables
 NO_STREAM = "none"  # replay_stream: no synthetic replay
+FULL_LR, LORA_LR = 1e-4, 1e-3  # the default peak learning rates (FinetuneConfig.peak_lr)
 
 
 # --------------------------------------------------------------------------- configuration
@@ -119,7 +120,7 @@ class FinetuneConfig:
     max_minutes: float | None = None
     threads: int | None = None
     optimizer: str = "adamw"
-    lr: float = 1e-4
+    lr: float | None = None  # None: FULL_LR, or LORA_LR with adapters (see peak_lr)
     muon_lr: float = 0.002
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -196,6 +197,14 @@ class FinetuneConfig:
             stream = NO_STREAM if self.replay_data else "pretrain"
         return None if stream == NO_STREAM else stream
 
+    @property
+    def peak_lr(self) -> float:
+        """`lr`, or its default: 1e-4 for full fine-tuning, 1e-3 for adapters, whose B starts at zero and
+        which at 1e-4 barely moved in the measurements (BENCHMARKS.md, "LoRA at lr 1e-3")."""
+        if self.lr is not None:
+            return self.lr
+        return FULL_LR if self.lora_rank is None else LORA_LR
+
     def lora(self) -> LoraConfig | None:
         """The adapters this run trains (None: full fine-tuning)."""
         if self.lora_rank is None:
@@ -236,7 +245,7 @@ class FinetuneConfig:
         need(self.plugin == "hybrid" or (self.tp, self.sp) == (1, 1), "tp", "tp and sp apply to plugin 'hybrid'")
         need(integer(self.tp) and self.tp >= 1 and integer(self.sp) and self.sp >= 1, "tp", "tp and sp must be integers >= 1")
         need(self.categorical in CATEGORICAL_MODES, "categorical", f"must be one of {CATEGORICAL_MODES}")
-        need(self.lr > 0 and self.muon_lr > 0, "lr", "learning rates must be > 0")
+        need((self.lr is None or self.lr > 0) and self.muon_lr > 0, "lr", "learning rates must be > 0")
         need(0.0 < self.holdout < 1.0, "holdout", "must be a fraction in (0, 1): fine-tuning is judged on held-out rows")
         need(0.0 <= self.replay < 1.0, "replay", "must be a fraction in [0, 1)")
         need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
@@ -867,7 +876,7 @@ def _run_record(cfg: FinetuneConfig, source: Any, tables: list[FinetuneTable], p
     "tables" are the tables trained on; "held_out_tables" those held out whole; "replay_tables" those replayed."""
     record = cfg.to_dict()
     lora = cfg.lora()
-    record.update(recipe="finetune", model=preset, lora=None if lora is None else lora.to_dict(),
+    record.update(recipe="finetune", model=preset, lora=None if lora is None else lora.to_dict(), lr=cfg.peak_lr,
                   init_weights_sha256=_init_sha256(cfg.init), data=_describe(source, cfg),
                   tables=_table_ids(tables), held_out_tables=_table_ids(list(held_out)),
                   replay_tables=_table_ids(list(replay)))
@@ -991,7 +1000,7 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
               "columns that fine-tuning episodes do not carry, so held-out rows are scored (and the export is best "
               f"used) with {', '.join(f'{k}={params[k]!r}' for k in ('n_neighbors', 'linear_features', 'multiclass'))}",
               flush=True)
-    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
+    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.peak_lr, weight_decay=cfg.weight_decay, muon_lr=cfg.muon_lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     booster = Booster(plug, precision=resolve_precision(cfg.precision, plug.device))
     # the criterion goes through the booster: under row-sequence parallelism it reduces the ranks' row-sharded losses
