@@ -18,8 +18,9 @@ seeded random partition (near-equal groups of at most `columns_per_copy` columns
 that fraction of them), drawn from the member's seed: fixed at fit, independent of the rows
 scored, different from member to member, so the ensemble averages over partitions. A copy hides
 one group, each of its columns is predicted from the cells outside the group, and every scored cell
-is hidden in exactly one copy per member. 1 (the default) hides every column alone: its NLL given
-all the other cells of the row. Pretraining hid 5-30 % of a table's observed cells at random
+is hidden in exactly one copy per member. 1 hides every column alone: its NLL given all the other
+cells of the row; the default, 0.125, does that on up to 8 scored columns and caps a wider row at 8
+copies per member. Pretraining hid 5-30 % of a table's observed cells at random
 (imputation episodes, `synth.stream.StreamConfig.mask_fraction`), so hiding a few of a row's cells
 at once is within what the model was trained on.
 
@@ -51,14 +52,20 @@ from tabfm.model import ModelOutput
 from tabfm.model.predict import cell_nll
 from tabfm.weights import DEFAULT_MODELS
 
-from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS, Runtime,
-                   TabFMEstimator)
+from .base import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, Runtime, TabFMEstimator
 from .ensemble import subsample
 
 FOLD_KEY = 7  # keys the fold assignment's generator apart from the members'
 OFFSET_KEY = 8  # keys the offset rows' generator apart
 COPY_KEY = 9  # keys a member's partition of the scored columns into query copies apart from its other choices
-DEFAULT_COLUMNS_PER_COPY = 1
+# The detector's defaults (BENCHMARKS.md, "Anomaly scoring at a user's cost"): several members with small
+# contexts score better than one large context, as subsampling does for IsolationForest (an anomaly's
+# look-alikes in a large context make it less surprising), and cost a fraction of it; hiding up to an
+# eighth of a row's scored columns per copy caps a row at 8 copies per member, whatever its width.
+DETECTOR_N_ESTIMATORS = 2
+DETECTOR_MAX_CONTEXT_ROWS = 256
+DEFAULT_COLUMNS_PER_COPY = 0.125
+UNSET_COLUMNS_PER_COPY = 1  # what a detector pickled before the parameter existed did: every column alone
 
 
 def _z_nll(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
@@ -83,13 +90,13 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                    that many), or a float in (0, 1] (that fraction of a column group's scored source
                    columns, rounded up; 1.0 = all at once). Each scored column is hidden in exactly
                    one copy per member (a seeded partition per member); cost ~ 1 / columns_per_copy.
-                   Default 1: every column hidden alone (see the module docstring).
+                   Default 0.125: at most 8 copies per member, every column alone on up to 8.
     Other parameters: see TabFMEstimator.
     """
 
-    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODELS["anomaly"], n_estimators: int = DEFAULT_N_ESTIMATORS,
+    def __init__(self, model: str | PathLike | nn.Module = DEFAULT_MODELS["anomaly"], n_estimators: int = DETECTOR_N_ESTIMATORS,
                  random_state: int | np.random.RandomState | None = 0, device: str = "auto",
-                 precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
+                 precision: str = "auto", max_context_rows: int = DETECTOR_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None,
                  contamination: float = 0.1, n_folds: int = 5, max_offset_rows: int | None = 512,
@@ -141,7 +148,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
 
     # ------------------------------------------------------------------ scoring
     def _check_columns_per_copy(self) -> None:
-        value = getattr(self, "columns_per_copy", DEFAULT_COLUMNS_PER_COPY)  # pickled before the parameter existed
+        value = getattr(self, "columns_per_copy", UNSET_COLUMNS_PER_COPY)  # pickled before the parameter existed
         ok = (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1) or \
              (isinstance(value, (float, np.floating)) and 0.0 < value <= 1.0)
         if not ok:
@@ -152,7 +159,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         """A partition of a column group's `n_units` scored source columns (indices) into the groups one
         query copy each hides: ceil(n_units / k) groups of near-equal size (at most k = columns_per_copy
         each), in a random order drawn from `rng`; k = 1 is one column per copy in column order."""
-        value = getattr(self, "columns_per_copy", DEFAULT_COLUMNS_PER_COPY)
+        value = getattr(self, "columns_per_copy", UNSET_COLUMNS_PER_COPY)
         k = int(np.ceil(value * n_units - 1e-9)) if isinstance(value, (float, np.floating)) else int(value)
         k = max(1, min(k, n_units))
         if k == 1:

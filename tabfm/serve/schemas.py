@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from tabfm.estimators.base import (DEFAULT_MAX_COLUMNS, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS,
                                    DEFAULT_N_ESTIMATORS, DEFAULT_N_NEIGHBORS)
-from tabfm.estimators.anomaly import DEFAULT_COLUMNS_PER_COPY
+from tabfm.estimators import anomaly
 from tabfm.estimators.imputer import DEFAULT_ROUND_PARTS
 from tabfm.inference import DEFAULT_CHUNK_SIZE
 
@@ -85,14 +85,18 @@ class ImputerParams(CommonParams):
 
 
 class AnomalyParams(CommonParams):
-    """TabFMAnomalyDetector's parameters."""
+    """TabFMAnomalyDetector's parameters (its own defaults for members and context rows)."""
+
+    n_estimators: int = Field(anomaly.DETECTOR_N_ESTIMATORS, ge=1, description="ensemble members (<= the server's "
+                              "--max-estimators)")
+    max_context_rows: int = Field(anomaly.DETECTOR_MAX_CONTEXT_ROWS, ge=1, description="context rows per member")
 
     max_columns: int = Field(DEFAULT_MAX_COLUMNS, ge=1)
     contamination: float = Field(0.1, gt=0.0, le=0.5, description="expected outlier share: sets the offset")
     n_folds: int = Field(5, ge=2)
     max_offset_rows: Optional[int] = Field(512, ge=1)
     columns_per_copy: Union[int, float] = Field(
-        DEFAULT_COLUMNS_PER_COPY, description="source columns hidden together per query copy of a row: an int >= 1, "
+        anomaly.DEFAULT_COLUMNS_PER_COPY, description="source columns hidden together per query copy of a row: an int >= 1, "
         "or a fraction in (0, 1] of the scored columns; fewer copies, fewer passes",
         json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1},
                                      {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]})
