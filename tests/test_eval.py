@@ -879,7 +879,7 @@ def test_tabfm_params_reach_the_estimator_and_its_version():
     default = tabfm_methods()["anomaly"]["tabfm"]
     one = tabfm_methods(params={"n_estimators": 1})["anomaly"]["tabfm"]
     assert one.version["tabfm"] == default.version["tabfm"] and one.version["params"] != default.version["params"]
-    assert one.factory().detector.n_estimators == 1 and default.factory().detector.n_estimators == 4
+    assert one.factory().detector.n_estimators == 1 and default.factory().detector.n_estimators == 2
     with pytest.raises(ValueError, match="no parameter.*'n_trees'"):
         tabfm_methods(params={"n_trees": 3})["anomaly"]["tabfm"]
     # a parameter only some estimators take: fine for their tasks, an error naming the one that lacks it
