@@ -68,6 +68,12 @@ DEFAULT_COLUMNS_PER_COPY = 0.125
 UNSET_COLUMNS_PER_COPY = 1  # what a detector pickled before the parameter existed did: every column alone
 
 
+def valid_columns_per_copy(value: Any) -> bool:
+    """An int >= 1 (columns per copy) or a float in (0, 1] (a fraction of them): the one check, also the server's."""
+    return (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1) or \
+        (isinstance(value, (float, np.floating)) and 0.0 < value <= 1.0)
+
+
 def _z_nll(output: ModelOutput, values: torch.Tensor) -> torch.Tensor:
     """Cell NLL with numeric cells on the standardised scale (NaN where the value is missing)."""
     nll = cell_nll(output, values)
@@ -149,9 +155,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
     # ------------------------------------------------------------------ scoring
     def _check_columns_per_copy(self) -> None:
         value = getattr(self, "columns_per_copy", UNSET_COLUMNS_PER_COPY)  # pickled before the parameter existed
-        ok = (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1) or \
-             (isinstance(value, (float, np.floating)) and 0.0 < value <= 1.0)
-        if not ok:
+        if not valid_columns_per_copy(value):
             raise ValueError("columns_per_copy must be an int >= 1 (source columns hidden together per query copy) "
                              f"or a float in (0, 1] (that fraction of the scored columns), got {value!r}")
 

@@ -105,9 +105,7 @@ class AnomalyParams(CommonParams):
     @classmethod
     def _columns_per_copy(cls, value: Any) -> Union[int, float]:
         """One check for both forms, so a refusal names the field itself (not a branch of a union)."""
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-        if isinstance(value, float) and 0.0 < value <= 1.0:
+        if anomaly.valid_columns_per_copy(value):
             return value
         raise ValueError(f"must be an int >= 1 or a float in (0, 1], got {value!r}")
 
