@@ -40,6 +40,7 @@ import torch
 from .batch import CATEGORICAL, NUMERIC, TableBatch
 from .context_features import ContextFeatureSpec, context_features, feature_refs
 from .encode import TableSchema, encode_frame
+from .masking import hide_cells, mechanism_shares
 from .seekable import SeekableStream
 
 CLASSIFICATION, REGRESSION, IMPUTATION = "classification", "regression", "imputation"
@@ -174,6 +175,7 @@ class EpisodeConfig:
                          classes are merged into random groups of classes per episode
     context_fraction     prediction episodes: share of the rows that are context, ~ U(low, high)
     mask_fraction        imputation episodes: share of observed cells hidden, ~ U(low, high)
+    mask_mechanisms      imputation episodes: shares of MCAR / MAR / MNAR masks (data.masking)
     imputation           probability that an episode is an imputation episode
     categorical          "ordinal" (categorical features shown as relabelled codes read as numbers in
                          prediction episodes, the estimators' default) or "identity" (categorical cells)
@@ -191,6 +193,7 @@ class EpisodeConfig:
     max_classes: int = 10
     context_fraction: tuple[float, float] = (0.3, 0.9)
     mask_fraction: tuple[float, float] = (0.05, 0.3)
+    mask_mechanisms: tuple[float, float, float] = (1.0, 0.0, 0.0)
     imputation: float = 0.2
     categorical: str = "ordinal"
     context_features: str = "none"
@@ -216,6 +219,7 @@ class EpisodeConfig:
             ok = isinstance(v, (tuple, list)) and len(v) == 2 and 0.0 <= v[0] <= v[1] <= 1.0 and (v[1] > 0 or not open_low)
             need(ok, name, "must be a (low, high) pair with 0 <= low <= high <= 1")
             object.__setattr__(self, name, (float(v[0]), float(v[1])))
+        object.__setattr__(self, "mask_mechanisms", mechanism_shares(self.mask_mechanisms, "EpisodeConfig.mask_mechanisms"))
 
     def replace(self, **changes: Any) -> "EpisodeConfig":
         return dataclasses.replace(self, **changes)
@@ -232,7 +236,7 @@ def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cf
     codes (target classes included) are relabelled, more classes than `cfg.max_classes` merged
     into random groups; prediction episodes hide the target on a random share of the rows
     (`cfg.context_fraction` are context), imputation episodes a random share of the observed
-    cells (`cfg.mask_fraction`). Prediction needs at least 2 rows and a prediction table.
+    cells (`cfg.mask_fraction`, `cfg.mask_mechanisms`). Prediction needs at least 2 rows and a prediction table.
     """
     if task != IMPUTATION and (table.task == IMPUTATION or len(take) < 2):
         raise ValueError(f"table {table.name!r}: a {task} episode needs a prediction table and at least 2 rows "
@@ -262,10 +266,7 @@ def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cf
     query = np.zeros((n, cols), dtype=bool)
     refs = None
     if task == IMPUTATION:
-        observed = np.flatnonzero(~np.isnan(x).ravel())
-        lo, hi = cfg.mask_fraction
-        k = min(max(int(round(rng.uniform(lo, hi) * observed.size)), 1), observed.size)
-        query.ravel()[rng.choice(observed, size=k, replace=False)] = True
+        query = hide_cells(x, rng, cfg.mask_fraction, cfg.mask_mechanisms)
     else:
         lo, hi = cfg.context_fraction
         n_ctx = int(np.clip(round(rng.uniform(lo, hi) * n), 1, n - 1))

@@ -17,6 +17,7 @@ import torch
 
 from tabfm.data.batch import NUMERIC, PAD, TableBatch
 from tabfm.data.context_features import ContextFeatureSpec, context_features, feature_refs
+from tabfm.data.masking import hide_cells
 from .table import CLASSIFICATION, REGRESSION, SynthTable
 
 IMPUTATION = "imputation"
@@ -52,21 +53,16 @@ def prediction_episode(table: SynthTable, rng: np.random.Generator, context_frac
     return Episode(task=table.task, context=context, query=query)
 
 
-def imputation_episode(table: SynthTable, rng: np.random.Generator, mask_fraction: tuple[float, float]) -> Episode:
-    """Show every row; hide round(f * observed) observed cells, f ~ U(mask_fraction).
+def imputation_episode(table: SynthTable, rng: np.random.Generator, mask_fraction: tuple[float, float],
+                       mechanisms: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> Episode:
+    """Show every row; hide a fraction f ~ U(mask_fraction) of the observed cells.
 
-    Already-missing (NaN) cells are never queried: they have no value to score.
-    At least one cell is hidden when any is observed, so the episode is never empty.
+    `mechanisms` are the shares of MCAR / MAR / MNAR masks (tabfm.data.masking.hide_cells, shared
+    with the store's episodes). Already-missing (NaN) cells are never queried: they have no value
+    to score. At least one cell is hidden when any is observed, so the episode is never empty.
     """
-    n_rows, n_cols = table.shape
-    observed = np.flatnonzero(~np.isnan(table.X).ravel())
-    lo, hi = mask_fraction
-    k = int(round(rng.uniform(lo, hi) * observed.size))
-    k = min(max(k, 1), observed.size)
-    query = np.zeros(n_rows * n_cols, dtype=bool)
-    if k:
-        query[rng.choice(observed, size=k, replace=False)] = True
-    return Episode(task=IMPUTATION, context=np.ones(n_rows, dtype=bool), query=query.reshape(n_rows, n_cols))
+    query = hide_cells(table.X, rng, mask_fraction, mechanisms)
+    return Episode(task=IMPUTATION, context=np.ones(table.shape[0], dtype=bool), query=query)
 
 
 def with_context_features(table: SynthTable, episode: Episode, spec: ContextFeatureSpec,

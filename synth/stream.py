@@ -23,6 +23,7 @@ from tabfm.data.batch import TableBatch
 from tabfm.data.seekable import SeekableStream
 from .config import PriorConfig
 from tabfm.data.context_features import ContextFeatureSpec
+from tabfm.data.masking import mechanism_shares
 from .episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode,
                             with_context_features)
 from .prior import sample_table
@@ -44,6 +45,8 @@ class StreamConfig:
 
     Columns count the target. Rows are rounded to multiples of `row_quantum`.
     The episode mix (classification / regression / imputation) is normalised.
+    `mask_mechanisms` are the shares of MCAR / MAR / MNAR masks in imputation episodes
+    (synth.episodes.imputation_episode), normalised.
     `context_features` names a tabfm.data.context_features spec ("none", "knn-linear", "knn"): prediction
     episodes then carry those extra columns after their own, so a batch is wider than its bucket
     by the widest table's extras (up to (max_classes - 1) x 3 columns with "knn-linear"), and holds
@@ -67,6 +70,7 @@ class StreamConfig:
     imputation: float = 0.3
     context_fraction: tuple[float, float] = (0.3, 0.9)
     mask_fraction: tuple[float, float] = (0.05, 0.3)
+    mask_mechanisms: tuple[float, float, float] = (1.0, 0.0, 0.0)
     context_features: str = "none"
     table_multiple: int = 1
 
@@ -107,6 +111,12 @@ class StreamConfig:
                                row_quantum=16, cells_per_batch=24576, max_batch=48,
                                classification=0.6, regression=0.2, imputation=0.2,
                                context_fraction=(0.1, 0.9), prior=PriorConfig(categorical_fraction=(0.0, 1.0))),
+        # pretrain-nominal with more imputation episodes at an imputation benchmark's missingness: up
+        # to half the observed cells hidden, MCAR, MAR and MNAR masks in equal shares
+        "pretrain-impute": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5,
+                                                           p_nominal_classes=0.5),
+                            "classification": 0.45, "regression": 0.2, "imputation": 0.35,
+                            "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0)},
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),
@@ -178,6 +188,7 @@ class StreamConfig:
             need(ok, name, "must be a (low, high) pair")
             need(0.0 <= v[0] <= v[1] <= 1.0 and (v[1] > 0 or not open_low), name, "must satisfy 0 <= low <= high <= 1")
             object.__setattr__(self, name, (float(v[0]), float(v[1])))  # frozen: normalise once here
+        object.__setattr__(self, "mask_mechanisms", mechanism_shares(self.mask_mechanisms, "StreamConfig.mask_mechanisms"))
 
 
 @dataclass(frozen=True)
@@ -282,7 +293,7 @@ class SynthStream(SeekableStream):
         task = self._tasks[min(int(np.searchsorted(self._cum, rng.random(), side="right")), len(self._tasks) - 1)]
         table = sample_table(self._priors[task], rng, rows, cols)
         if task == IMPUTATION:
-            episode = imputation_episode(table, rng, self.cfg.mask_fraction)
+            episode = imputation_episode(table, rng, self.cfg.mask_fraction, self.cfg.mask_mechanisms)
         else:
             episode = prediction_episode(table, rng, self.cfg.context_fraction)
         if features and self._features is not None:

@@ -111,6 +111,31 @@ def test_batches_are_valid_episodes_of_one_shape_within_budget(store, features):
     assert widest > 30 + (6 if features == "knn-linear" else 0)  # cancer's 30 features + target (+ 2 x 3 columns)
 
 
+def test_store_imputation_episodes_follow_the_mechanisms(store):
+    """MAR hides cells by a fully observed driver column, which stays visible; MCAR at half the cells
+    leaves no column untouched. `tabfm pretrain --data` takes the stream preset's masks."""
+    from tabfm.train.pretrain import store_data
+
+    def untouched_columns(mechanisms):
+        cfg = EpisodeConfig(max_classes=10, imputation=1.0, mask_fraction=(0.5, 0.5), mask_mechanisms=mechanisms)
+        counts = []
+        for plan in StoreEpisodes(store, cfg, **KW).plans(0):
+            batch = StoreEpisodes(store, cfg, **KW).batch(plan)
+            for j in range(batch.shape[0]):
+                x = batch.x[j][batch.row_valid[j]][:, batch.col_valid[j]]
+                q = batch.query[j][batch.row_valid[j]][:, batch.col_valid[j]]
+                if x.shape[1] > 1 and bool((~x.isnan()).all(dim=0).any()):  # a fully observed column exists
+                    counts.append(int((~q.any(dim=0)).sum()))
+        return counts
+
+    mar, mcar = untouched_columns((0, 1, 0)), untouched_columns((1, 0, 0))
+    assert len(mar) >= 6 and set(mar) == {1}
+    assert set(mcar) == {0}
+    cfg = PretrainConfig.preset("smoke", data=str(store), stream="pretrain-impute")
+    episodes = store_data(cfg, None, 0, 1, 10).episodes
+    assert episodes.mask_fraction == (0.05, 0.55) and episodes.mask_mechanisms == pytest.approx((1 / 3,) * 3)
+
+
 def test_encoding_store_tables(store):
     headers = {h.name: h for h in list_store(store)}
     iris = encode_store_table(headers["iris"], read_table(headers["iris"]))

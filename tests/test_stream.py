@@ -301,6 +301,62 @@ def test_episodes_on_a_padded_batch():
     assert bool(batch.context[1].all())
 
 
+def _numeric(n_rows=200, n_cols=4, seed=0, nan_col=None):
+    X = np.random.default_rng(seed).standard_normal((n_rows, n_cols))
+    if nan_col is not None:
+        X[::7, nan_col] = np.nan
+    return _table(X, [1] * n_cols, [0] * n_cols)
+
+
+def test_mcar_default_draws_as_before_mechanisms_existed():
+    """The default (MCAR only) mask is the plain uniform draw, number for number."""
+    table = _numeric(nan_col=2)
+    got = imputation_episode(table, np.random.default_rng(3), (0.1, 0.4)).query
+    rng = np.random.default_rng(3)  # the pre-mechanism recipe by hand
+    observed = np.flatnonzero(~np.isnan(table.X).ravel())
+    k = int(round(rng.uniform(0.1, 0.4) * observed.size))
+    want = np.zeros(table.X.size, dtype=bool)
+    want[rng.choice(observed, size=k, replace=False)] = True
+    assert np.array_equal(got, want.reshape(table.X.shape))
+
+
+def test_mar_never_hides_its_driver_and_hides_by_it():
+    """MAR: one fully observed column drives which rows lose cells; that column stays visible."""
+    table = _numeric(n_rows=400, n_cols=5, nan_col=0)  # column 0 has NaNs: never a driver
+    shifts = []
+    for seed in range(20):
+        q = imputation_episode(table, np.random.default_rng(seed), (0.3, 0.3), (0.0, 1.0, 0.0)).query
+        hidden_cols = q.any(axis=0)
+        assert hidden_cols[0] and hidden_cols.sum() == 4  # exactly one column (the driver) is untouched
+        driver = int(np.flatnonzero(~hidden_cols)[0])
+        assert driver != 0
+        z = table.X[:, driver]
+        hidden_rows = q.sum(axis=1) > 0
+        shifts.append(abs(z[hidden_rows].mean() - z[~hidden_rows].mean()))
+        hideable = np.count_nonzero(~np.isnan(np.delete(table.X, driver, axis=1)))
+        assert int(q.sum()) == int(round(0.3 * hideable))
+    assert np.mean(shifts) > 0.5  # the driver's value, not chance, picks the rows
+
+
+def test_mnar_hidden_values_lean_with_the_slope():
+    """MNAR (self-masking): hidden cells' own values sit away from the mean; MCAR's do not."""
+    table = _numeric(n_rows=400, n_cols=3)
+    x = table.X
+    mnar = [abs(x[imputation_episode(table, np.random.default_rng(s), (0.2, 0.2), (0.0, 0.0, 1.0)).query].mean())
+            for s in range(20)]
+    mcar = [abs(x[imputation_episode(table, np.random.default_rng(s), (0.2, 0.2)).query].mean()) for s in range(20)]
+    assert np.mean(mnar) > 0.5 > 0.2 > np.mean(mcar)
+
+
+def test_mask_mechanisms_reach_the_stream_and_are_normalised():
+    cfg = StreamConfig.preset("pretrain-impute")
+    assert cfg.mask_mechanisms == pytest.approx((1 / 3, 1 / 3, 1 / 3))
+    assert StreamConfig.preset("tiny", mask_mechanisms=(0, 2, 2)).mask_mechanisms == (0.0, 0.5, 0.5)
+    cfg = StreamConfig.preset("tiny", classification=0.0, regression=0.0, imputation=1.0, mask_mechanisms=(0, 0, 1))
+    batch, _ = SynthStream(cfg, seed=2).episode_at(0)
+    assert bool(batch.query.any())
+
+
 # ------------------------------------------------------------------ bad config
 @pytest.mark.parametrize(
     "field, kwargs",
@@ -321,6 +377,9 @@ def test_episodes_on_a_padded_batch():
         ("mix", dict(classification=0.0, regression=0.0, imputation=0.0)),
         ("context_fraction", dict(context_fraction=(0.8, 0.2))),
         ("mask_fraction", dict(mask_fraction=(0.1, 1.5))),
+        ("mask_mechanisms", dict(mask_mechanisms=(1.0, 0.0))),
+        ("mask_mechanisms", dict(mask_mechanisms=(1.0, -1.0, 0.5))),
+        ("mask_mechanisms", dict(mask_mechanisms=(0, 0, 0))),
     ],
 )
 def test_bad_config_names_the_field(field, kwargs):
