@@ -5,6 +5,7 @@ model whose answers are known, to check that permutations are undone in the righ
 """
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import numpy as np
@@ -574,10 +575,39 @@ def test_anomaly_detector_scores_offset_and_contamination(export_dir):
     assert so[0] < s.min() - 100 and det.predict(odd)[0] == -1
 
 
+def test_anomaly_offset_is_scored_when_first_needed_and_kept(export_dir, monkeypatch):
+    """fit scores no rows (ranking with score_samples pays only for its rows); the first
+    decision_function / predict / offset_ scores the offset rows once; a pickle keeps the offset."""
+    X = frame(60)
+    det = make(TabFMAnomalyDetector, export_dir, contamination=0.2, max_offset_rows=30)
+    calls = []
+    real = TabFMAnomalyDetector._scores
+    monkeypatch.setattr(TabFMAnomalyDetector, "_scores", lambda self, x: calls.append(len(x)) or real(self, x))
+    det.fit(X)
+    assert calls == []
+    s = det.score_samples(X)
+    assert calls == [60]
+    d = det.decision_function(X)
+    assert calls == [60, 60, 30]  # its own rows, then the 30 offset rows, once
+    assert det.offset_ == pytest.approx(np.percentile(s[det.offset_rows_], 20.0), abs=1e-9)
+    np.testing.assert_allclose(d, s - det.offset_)
+    back = pickle.loads(pickle.dumps(det))
+    assert back.offset_ == det.offset_ and calls == [60, 60, 30]
+    old = pickle.loads(pickle.dumps(det))
+    old.__dict__.pop("offset_memo_")
+    old.__dict__["offset_"] = 1.25  # as a detector pickled when fit set offset_ unpickles
+    assert old.offset_ == 1.25 and calls == [60, 60, 30]
+    det.fit(X.iloc[:40])  # a refit forgets the old offset
+    assert det.offset_memo_ == {} and len(det.offset_rows_) == 30 and calls[-1] == 30
+    with pytest.raises(NotFittedError):
+        make(TabFMAnomalyDetector, export_dir).decision_function(X)
+
+
 def test_anomaly_fitted_rows_never_are_their_own_context():
     X = frame(50)
     stub = StubModel()
     det = TabFMAnomalyDetector(model=stub, n_estimators=1, random_state=0, n_folds=5).fit(X)
+    det.offset_  # scores the offset rows: here every fitted row
     assert stub.batches
     for batch in stub.batches:
         ctx = batch.context[0]

@@ -31,7 +31,9 @@ row passes per member: n_rows x ceil(scored columns / columns_per_copy).
 sklearn convention (as IsolationForest): score_samples = -score, so HIGHER = MORE NORMAL;
 offset_ = the `contamination` quantile of score_samples over at most `max_offset_rows` fitted rows
 (a seeded random subset, `offset_rows_`; scoring fitted rows costs as much as scoring new ones,
-so a large fit would otherwise cost more than the rows one wants scored);
+so a large fit would otherwise cost more than the rows one wants scored), computed when first
+needed (decision_function, predict, or reading offset_), not at fit: ranking rows with
+score_samples pays only for the rows it scores;
 decision_function = score_samples - offset_ (negative = outlier); predict: -1 outlier, 1 inlier.
 """
 from __future__ import annotations
@@ -91,7 +93,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
 
     contamination  expected fraction of outliers in the fitted rows, in (0, 0.5]: sets offset_.
     n_folds        folds of the fitted rows for leakage-free scoring of those rows (>= 2).
-    max_offset_rows  fitted rows scored at fit to set offset_ (None = all of them).
+    max_offset_rows  fitted rows scored to set offset_ when it is first needed (None = all of them).
     columns_per_copy  source columns hidden together in one query copy of a row: an int >= 1 (at most
                    that many), or a float in (0, 1] (that fraction of a column group's scored source
                    columns, rounded up; 1.0 = all at once). Each scored column is hidden in exactly
@@ -134,8 +136,26 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
         n_off = n if self.max_offset_rows is None else min(n, int(self.max_offset_rows))
         pick = np.random.default_rng([self.ensemble_seed_, OFFSET_KEY]).choice(n, n_off, replace=False)
         self.offset_rows_ = np.sort(pick)
-        self.offset_ = float(np.percentile(-self._scores(self.train_x_[self.offset_rows_]), 100.0 * self.contamination))
+        # offset_'s memo, filled when first asked for: a container set here, so that predict leaves the
+        # fitted attributes as fit made them (sklearn's rule); the offset is a function of the fit alone
+        self.offset_memo_: dict[str, float] = {}
+        self.__dict__.pop("offset_", None)  # a detector unpickled with an eager offset, refitted
         return self
+
+    @property
+    def offset_(self) -> float:
+        """The `contamination` quantile of score_samples over the offset rows (`offset_rows_`).
+
+        Computed on first use (decision_function, predict, or reading it) and kept: scoring the
+        offset rows costs as much as scoring as many new rows, which a user who only ranks rows
+        with score_samples should not pay for at fit."""
+        if "offset_" in self.__dict__:  # pickled before the offset was lazy: computed at its fit
+            return self.__dict__["offset_"]
+        check_is_fitted(self, "folds_")
+        if "offset" not in self.offset_memo_:
+            scores = -self._scores(self.train_x_[self.offset_rows_])
+            self.offset_memo_["offset"] = float(np.percentile(scores, 100.0 * self.contamination))
+        return self.offset_memo_["offset"]
 
     def score_samples(self, X: Any) -> np.ndarray:
         """-(anomaly score) of each row: higher = more normal (sklearn convention)."""
@@ -145,7 +165,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
 
     def decision_function(self, X: Any) -> np.ndarray:
         """score_samples - offset_: negative for outliers."""
-        check_is_fitted(self, "offset_")
+        check_is_fitted(self, "folds_")
         return self.score_samples(X) - self.offset_
 
     def predict(self, X: Any) -> np.ndarray:
