@@ -1,5 +1,5 @@
 """TabFMAnomalyDetector's query copies (`columns_per_copy`, issue #25): 1 is the scorer as it was
-(every source column hidden alone; the default 0.125 is that on up to 8 columns), a larger value hides a seeded partition of the scored columns,
+(every source column hidden alone), a larger value hides a seeded partition of the scored columns,
 each cell exactly once per member, in proportionally fewer passes.
 
 A random-weight tiny export keeps these fast; `OldDetector` is the scorer before the parameter
@@ -113,21 +113,22 @@ class Recorder:
 
 
 # ------------------------------------------------------------------ exactness of 1
-def test_defaults_are_two_small_contexts_and_at_most_eight_copies():
+def test_defaults_are_two_small_contexts_and_two_copies():
     """BENCHMARKS.md, "Anomaly scoring at a user's cost": the detector's own defaults, not the base's."""
     p = TabFMAnomalyDetector().get_params()
-    assert (p["n_estimators"], p["max_context_rows"], p["columns_per_copy"]) == (2, 256, 0.125)
+    assert (p["n_estimators"], p["max_context_rows"], p["columns_per_copy"]) == (2, 256, 0.5)
 
 
-def test_the_default_hides_every_column_alone_on_up_to_eight_columns(export_dir):
+def test_the_default_hides_half_of_the_columns_per_copy(export_dir):
+    """Two copies per member: on 8 columns the default is groups of 4 (the same seeded partition as
+    columns_per_copy=4), not every column alone; on 2 columns it is every column alone."""
     X, new = numeric(30, width=8), numeric(30, width=8).iloc[:6] + 0.5
-    default = TabFMAnomalyDetector(model=export_dir, n_estimators=2, random_state=0).fit(X)
-    alone = detector(export_dir, columns_per_copy=1).fit(X)
-    np.testing.assert_array_equal(default.score_samples(new), alone.score_samples(new))
-    wide = numeric(30, width=9)  # nine columns: no longer one per copy
-    assert not np.allclose(TabFMAnomalyDetector(model=export_dir, n_estimators=2, random_state=0).fit(wide)
-                           .score_samples(wide.iloc[:6] + 0.5),
-                           detector(export_dir, columns_per_copy=1).fit(wide).score_samples(wide.iloc[:6] + 0.5))
+    default = TabFMAnomalyDetector(model=export_dir, n_estimators=2, random_state=0).fit(X).score_samples(new)
+    np.testing.assert_array_equal(default, detector(export_dir, columns_per_copy=4).fit(X).score_samples(new))
+    assert not np.allclose(default, detector(export_dir, columns_per_copy=1).fit(X).score_samples(new))
+    two, new2 = numeric(30, width=2), numeric(30, width=2).iloc[:6] + 0.5
+    np.testing.assert_array_equal(TabFMAnomalyDetector(model=export_dir, n_estimators=2, random_state=0).fit(two)
+                                  .score_samples(new2), detector(export_dir, columns_per_copy=1).fit(two).score_samples(new2))
 
 
 def test_a_detector_pickled_before_columns_per_copy_hides_every_column_alone(export_dir):

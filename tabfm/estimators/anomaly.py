@@ -19,10 +19,11 @@ that fraction of them), drawn from the member's seed: fixed at fit, independent 
 scored, different from member to member, so the ensemble averages over partitions. A copy hides
 one group, each of its columns is predicted from the cells outside the group, and every scored cell
 is hidden in exactly one copy per member. 1 hides every column alone: its NLL given all the other
-cells of the row; the default, 0.125, does that on up to 8 scored columns and caps a wider row at 8
-copies per member. Pretraining hid 5-30 % of a table's observed cells at random
-(imputation episodes, `synth.stream.StreamConfig.mask_fraction`), so hiding a few of a row's cells
-at once is within what the model was trained on.
+cells of the row; the default, 0.5, hides half of a row's scored columns per copy: two copies per
+member whatever the width (one on a single scored column). Measured on the 12 ADBench tables, it
+scores as well as hiding fewer at once (mean AUROC 0.822 against 0.820 for 0.125) at a third of the
+seconds, and better on the wide tables, where one hidden cell is easy to read off its correlated
+neighbours; hiding every column at once (1.0) loses the row's own evidence (0.771).
 
 Cost: each (member, fold, column group) context is encoded once and reused for every query copy
 (`ContextPredictor`), so scoring costs about the query copies alone, n_rows x (number of copies)
@@ -62,11 +63,11 @@ OFFSET_KEY = 8  # keys the offset rows' generator apart
 COPY_KEY = 9  # keys a member's partition of the scored columns into query copies apart from its other choices
 # The detector's defaults (BENCHMARKS.md, "Anomaly scoring at a user's cost"): several members with small
 # contexts score better than one large context, as subsampling does for IsolationForest (an anomaly's
-# look-alikes in a large context make it less surprising), and cost a fraction of it; hiding up to an
-# eighth of a row's scored columns per copy caps a row at 8 copies per member, whatever its width.
+# look-alikes in a large context make it less surprising), and cost a fraction of it; hiding half of a
+# row's scored columns per copy makes two copies per member, whatever its width.
 DETECTOR_N_ESTIMATORS = 2
 DETECTOR_MAX_CONTEXT_ROWS = 256
-DEFAULT_COLUMNS_PER_COPY = 0.125
+DEFAULT_COLUMNS_PER_COPY = 0.5
 UNSET_COLUMNS_PER_COPY = 1  # what a detector pickled before the parameter existed did: every column alone
 
 
@@ -98,7 +99,7 @@ class TabFMAnomalyDetector(OutlierMixin, TabFMEstimator):
                    that many), or a float in (0, 1] (that fraction of a column group's scored source
                    columns, rounded up; 1.0 = all at once). Each scored column is hidden in exactly
                    one copy per member (a seeded partition per member); cost ~ 1 / columns_per_copy.
-                   Default 0.125: at most 8 copies per member, every column alone on up to 8.
+                   Default 0.5: two copies per member, each hiding half of the scored columns.
     Other parameters: see TabFMEstimator.
     """
 
