@@ -239,7 +239,7 @@ def test_the_log_shows_the_share_of_time_spent_waiting_for_data(tmp_path, monkey
     class SlowLoader(SynthLoader):
         def __iter__(self):
             for batch in super().__iter__():
-                time.sleep(0.5)
+                time.sleep(1.0)  # longer than a smoke step, even on a loaded machine
                 yield batch
 
     def waits(out, loader) -> list[float]:
@@ -250,7 +250,7 @@ def test_the_log_shows_the_share_of_time_spent_waiting_for_data(tmp_path, monkey
 
     slow, plain = waits(tmp_path / "slow", SlowLoader), waits(tmp_path / "plain", SynthLoader)
     assert len(slow) == len(plain) == 2 and all(0.0 <= w <= 1.0 for w in slow + plain)
-    assert min(slow) > 0.5 and min(slow) > max(plain), (slow, plain)
+    assert min(slow) > 0.3 and min(slow) > max(plain), (slow, plain)
     main(["pretrain", "--preset", "smoke", "--steps", "2", "--log-every", "1", "--no-progress",
           "--out", str(tmp_path / "cli")])
     assert re.search(r"step 2/2 .* data \d+%", capsys.readouterr().out)
