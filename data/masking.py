@@ -6,6 +6,7 @@ One function serves the synthetic prior's episodes (synth.episodes) and the stor
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -46,7 +47,8 @@ def hide_cells(x: np.ndarray, rng: np.random.Generator, mask_fraction: tuple[flo
     weights = None
     if mechanism != "MCAR" and observed.size > 1:
         v = x.astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an all-missing column: its z is 0, never hidden
             z = np.nan_to_num((v - np.nanmean(v, axis=0)) / (np.nanstd(v, axis=0) + 1e-9))
         score = z  # MNAR: each cell's own value
         full = np.flatnonzero(~np.isnan(v).any(axis=0))
