@@ -117,6 +117,13 @@ class StreamConfig:
                                                            p_nominal_classes=0.5),
                             "classification": 0.45, "regression": 0.2, "imputation": 0.35,
                             "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0)},
+        # pretrain-impute's imputation episodes, with feature cells missing in more tables and at an
+        # imputation benchmark's rates (up to 60 %, MCAR/MAR/MNAR in equal shares): the prediction
+        # questions a column-at-a-time imputer asks, whose other columns are half empty
+        "pretrain-missing": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5,
+                                                            p_nominal_classes=0.5, p_missing=0.6, missing_rate=(0.05, 0.6),
+                                                            p_mcar=1.0, p_mar=1.0, p_mnar=1.0),
+                             "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0)},
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),
