@@ -21,9 +21,9 @@ if TYPE_CHECKING:  # torch and the model load with the first model, not with the
 SHIPPED_DIR = Path(__file__).resolve().parent / "weights"
 SHIPPED_MODELS = ("tabfm-tiny", "tabfm-tiny-cf")  # -cf: pretrained with context features (docs/estimators.md)
 # Each task's default weights, the ones measured best for it on the public suites (docs/evaluation.md):
-# tabfm-tiny-cf classifies in one pass with its own neighbour and ridge columns and imputes better;
-# tabfm-tiny with the regressor's ridge residual and the detector stays ahead on those two tasks.
-DEFAULT_MODELS = {"classification": "tabfm-tiny-cf", "regression": "tabfm-tiny",
+# tabfm-tiny-cf classifies in one pass with its own neighbour and ridge columns, imputes better and,
+# predicting the regressor's ridge residual, regresses better; tabfm-tiny's detector stays ahead.
+DEFAULT_MODELS = {"classification": "tabfm-tiny-cf", "regression": "tabfm-tiny-cf",
                   "imputation": "tabfm-tiny-cf", "anomaly": "tabfm-tiny"}
 DEFAULT_MODEL = DEFAULT_MODELS["classification"]  # where no task is named (load_model, tabfm export --onnx)
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"

@@ -51,6 +51,20 @@ def test_scores_are_sklearn_fits_out_of_fold():
     assert one[0, 0] == pytest.approx(fq[4, 0], abs=1e-6)
 
 
+def test_ridge_scores_of_a_zero_one_target():
+    """ridge=True (the regressor's baseline): a 0/1 number gets ridge predictions on its own scale, not
+    a logistic logit."""
+    ctx, query, kind, card, rng = small_table()
+    lin = LinearScores.of(ctx, query, kind, card, np.random.default_rng(1))
+    a, b = design(ctx, query, kind, card)
+    y = (ctx[:, 2] + rng.normal(size=len(ctx)) > 0).astype(float)
+    fc, fq = lin.features(y, dtype=np.float64, ridge=True)
+    np.testing.assert_allclose(fq[:, 0], Ridge(alpha=RIDGE_ALPHA).fit(a, y).predict(b), rtol=1e-9, atol=1e-9)
+    held = lin.folds == 0
+    np.testing.assert_allclose(fc[held, 0], Ridge(alpha=RIDGE_ALPHA).fit(a[~held], y[~held]).predict(a[held]), atol=1e-9)
+    assert not np.allclose(lin.features(y)[1], fq)  # the default for a 0/1 target is the logit
+
+
 def test_degenerate_targets_and_subsets():
     ctx, query, kind, card, _ = small_table()
     lin = LinearScores.of(ctx, query, kind, card, np.random.default_rng(0))
@@ -167,3 +181,38 @@ def test_regressor_predicts_the_ridge_residual(export_dir):
     assert np.abs(q[:, 1] - y[te]).mean() < 0.1 * y[te].std()  # the quantiles are shifted too
     np.testing.assert_allclose(res.predict(X[60:70]), res.predict(X[te])[:10], rtol=1e-5, atol=1e-4)
     assert res.get_params()["linear_residual"] is True and res.get_params()["numeric"] == "quantile"
+
+
+@pytest.fixture(scope="module")
+def cf_export_dir(tmp_path_factory) -> str:
+    """A random-weight tiny model pretrained (shape-wise) with context features, as tabfm-tiny-cf."""
+    import torch
+    from tabfm.model import ModelConfig, TabFM
+    from tabfm.parallel import export_model
+    from tabfm.train.pretrain import EXPORT_FORMAT
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", n_layers=1, d_model=32, n_heads=2, n_bins=16, id_dim=8, context_features="knn-linear")
+    out = tmp_path_factory.mktemp("weights") / "export"
+    export_model(TabFM(cfg), out, {"format": EXPORT_FORMAT, "version": 1, "model": cfg.to_dict()})
+    return str(out)
+
+
+def test_regressor_residual_with_a_context_feature_model(cf_export_dir):
+    """A model pretrained with context features also predicts the ridge residual (its context features
+    then describe the residual); a 0/1 numeric target's baseline is a ridge prediction too."""
+    rng = np.random.default_rng(2)
+    X = pd.DataFrame({"a": rng.normal(size=80) * 5 + 2, "c": rng.normal(size=80)})
+    y = 3.0 * X["a"].to_numpy() - 2.0 * X["c"].to_numpy() + 100
+    tr, te = slice(0, 60), slice(60, 80)
+    kw = dict(model=cf_export_dir, n_estimators=2, random_state=0)
+    res = TabFMRegressor(**kw).fit(X[tr], y[tr])
+    plain = TabFMRegressor(**kw, linear_residual=False).fit(X[tr], y[tr])
+
+    def r2(t, p):
+        return 1 - ((t - p) ** 2).sum() / ((t - t.mean()) ** 2).sum()
+    assert res._runtime().context_features == "knn-linear"
+    assert r2(y[te], res.predict(X[te])) > 0.98 > r2(y[te], plain.predict(X[te])) + 0.1
+    b = (X["a"].to_numpy() > 2).astype(float)  # a 0/1 number: ridge baseline, predictions near [0, 1]
+    p = TabFMRegressor(**kw).fit(X[tr], b[tr]).predict(X[te])
+    assert p.min() > -1.0 and p.max() < 2.0

@@ -385,9 +385,10 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         self.n_neighbors = n_neighbors
         self.linear_features = linear_features
 
-    def _uses_linear(self) -> bool:
-        """Does a view need the context-fitted linear scores (View.linear)?"""
-        return bool(self.linear_features)
+    def _uses_linear(self, legacy: bool) -> bool:
+        """Does a view need the context-fitted linear scores (View.linear)? For the linear feature
+        columns only with a `legacy` model (one pretrained without context features)."""
+        return bool(self.linear_features) and legacy
 
     def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool, rt: Runtime) -> View:
         """A member's view of the table for the target `self.y_` (see View); classes: y_ holds class
@@ -399,7 +400,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         legacy = rt.context_features == "none"
         sizes = neighbor_sizes(self.n_neighbors) if legacy else ()
         cols = member.column_groups[0]
-        want_linear = self._uses_linear() and legacy
+        want_linear = self._uses_linear(legacy)
         read = np.arange(self.train_x_.shape[1]) if sizes or want_linear else cols
         ctx, query = member.view(self.train_x_[rows], read), member.view(x_query, read)
         # a linear model reads the features as they are (a rank transform would bend linear relations)

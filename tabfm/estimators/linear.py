@@ -42,12 +42,13 @@ def _is_binary(t: np.ndarray) -> bool:
     return bool(np.isin(t, (0.0, 1.0)).all())
 
 
-def _fit_score(train_x: np.ndarray, train_t: np.ndarray, x: np.ndarray) -> np.ndarray:
+def _fit_score(train_x: np.ndarray, train_t: np.ndarray, x: np.ndarray, ridge: bool = False) -> np.ndarray:
     """Scores of the rows x from a linear model of train_t on train_x (constant target: its value,
-    or 0 = even odds for a 0/1 target with one class; no training row: 0)."""
+    or 0 = even odds for a 0/1 target with one class; no training row: 0); `ridge`: a ridge
+    prediction whatever the target's values (the regressor's baseline, on the target's scale)."""
     if len(train_t) == 0:
         return np.zeros(len(x))
-    binary = _is_binary(train_t)
+    binary = _is_binary(train_t) and not ridge
     if train_t.min() == train_t.max():
         return np.zeros(len(x)) if binary else np.full(len(x), float(train_t[0]))
     with warnings.catch_warnings():
@@ -77,17 +78,18 @@ class LinearScores:
         a, b = design(ctx, query, kind, cardinality)
         return cls(a, b, rng.permutation(len(a)) % min(FOLDS, len(a)))
 
-    def features(self, targets: np.ndarray, dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    def features(self, targets: np.ndarray, dtype: type = np.float32, ridge: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Linear scores of each target column (n_context, m): (n_context, m) out of fold and
-        (n_query, m), in `dtype` (float32 as model input; float64 as the regressor's baseline)."""
+        (n_query, m), in `dtype` (float32 as model input; float64 as the regressor's baseline);
+        `ridge`: ridge predictions even of a 0/1 target (see _fit_score)."""
         a, b = self._points
         t = np.asarray(targets, dtype=np.float64).reshape(len(a), -1)
         ctx, query = np.zeros(t.shape), np.zeros((len(b), t.shape[1]))
         for j in range(t.shape[1]):
             for f in np.unique(self.folds):
                 held = self.folds == f
-                ctx[held, j] = _fit_score(a[~held], t[~held, j], a[held])
-            query[:, j] = _fit_score(a, t[:, j], b)
+                ctx[held, j] = _fit_score(a[~held], t[~held, j], a[held], ridge)
+            query[:, j] = _fit_score(a, t[:, j], b, ridge)
         return ctx.astype(dtype), query.astype(dtype)
 
     def subset(self, rows: np.ndarray) -> "LinearScores | None":

@@ -63,8 +63,8 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
                          linear_features=linear_features, backend=backend)
         self.linear_residual = linear_residual
 
-    def _uses_linear(self) -> bool:
-        return bool(self.linear_features or self.linear_residual)
+    def _uses_linear(self, legacy: bool) -> bool:
+        return (bool(self.linear_features) and legacy) or bool(self.linear_residual)  # the residual: any model
 
     def fit(self, X: Any, y: Any) -> "TabFMRegressor":
         frame = self._fit_table(X)
@@ -113,7 +113,7 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
                 view = self._supervised_view(m, x, classes=False, rt=rt)
                 y, shift = self.y_[view.rows], np.zeros((len(x), 1))
                 if self.linear_residual and view.linear is not None:  # the model sees what the context-fitted ridge misses
-                    base_c, base_q = view.linear.features(y, dtype=np.float64)
+                    base_c, base_q = view.linear.features(y, dtype=np.float64, ridge=True)
                     y, shift = y - base_c[:, 0], base_q
                 out = self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y)
                 total += out.reshape(len(x), -1) + shift  # mean and every quantile move with the baseline
