@@ -122,6 +122,27 @@ def ridge_scores(ctx_points: np.ndarray, query_points: np.ndarray, targets: np.n
     return ctx, fit_predict(ctx_points, targets, query_points)
 
 
+def ridge_folds(n_ctx: int, rng: np.random.Generator) -> np.ndarray:
+    """The context rows dealt at random into min(LINEAR_FOLDS, n_ctx) folds (the ridge's out-of-fold scores)."""
+    return rng.permutation(n_ctx) % min(LINEAR_FOLDS, n_ctx)
+
+
+def ridge_baseline(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
+                   y_ctx: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A numeric target's ridge baseline, float64: out of fold for the context rows (n_ctx,), the full
+    fit for the query rows (n_query,), on the design of the feature columns given. The regressor's
+    linear residual (the model predicts y minus it) and pretraining's residual regression episodes
+    (StreamConfig.residual_targets) both take it from here. Fewer than 2 context rows or no feature
+    column: the context mean."""
+    y = np.asarray(y_ctx, dtype=np.float64)
+    if len(y) < 2 or ctx.shape[1] == 0:
+        mean = float(y.mean()) if len(y) else 0.0
+        return np.full(len(y), mean), np.full(len(query), mean)
+    a, b = design(ctx, query, kind, cardinality)
+    c, q = ridge_scores(a, b, y[:, None], ridge_folds(len(a), rng))
+    return c[:, 0], q[:, 0]
+
+
 def context_features(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardinality: np.ndarray,
                      y_ctx: np.ndarray, n_classes: int | None, spec: ContextFeatureSpec,
                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -152,8 +173,7 @@ def context_features(ctx: np.ndarray, query: np.ndarray, kind: np.ndarray, cardi
         parts_c += _per_size(nb_c, nb.ks, sizes, n_ctx)
         parts_q += _per_size(nb_q, nb.ks, sizes, n_ctx)
     if spec.linear:
-        folds = rng.permutation(n_ctx) % min(LINEAR_FOLDS, n_ctx)
-        lin_c, lin_q = ridge_scores(a, b, t, folds)
+        lin_c, lin_q = ridge_scores(a, b, t, ridge_folds(n_ctx, rng))
         parts_c.append(lin_c)
         parts_q.append(lin_q)
     return np.hstack(parts_c).astype(np.float32), np.hstack(parts_q).astype(np.float32)

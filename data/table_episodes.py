@@ -38,7 +38,7 @@ import pandas as pd
 import torch
 
 from .batch import CATEGORICAL, NUMERIC, TableBatch
-from .context_features import ContextFeatureSpec, context_features, feature_refs
+from .context_features import ContextFeatureSpec, context_features, feature_refs, ridge_baseline
 from .encode import TableSchema, encode_frame
 from .masking import hide_cells, mechanism_shares
 from .seekable import SeekableStream
@@ -183,6 +183,8 @@ class EpisodeConfig:
                          ModelConfig.context_features), inserted before the target as the estimators do
     row_multiple         episode rows are a multiple of this (row-sequence parallelism splits every
                          table's rows evenly over its sp ranks; 1: any count)
+    residual_targets     share of regression episodes whose target is what a context-fitted ridge
+                         misses (context_features.ridge_baseline), as TabFMRegressor asks by default
     """
 
     min_rows: int = 32
@@ -198,6 +200,7 @@ class EpisodeConfig:
     categorical: str = "ordinal"
     context_features: str = "none"
     row_multiple: int = 1
+    residual_targets: float = 0.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
@@ -211,6 +214,8 @@ class EpisodeConfig:
         need(self.min_rows <= self.max_rows, "min_rows", f"must be <= max_rows = {self.max_rows}")
         need(isinstance(self.max_classes, int) and self.max_classes >= 2, "max_classes", "must be an integer >= 2")
         need(0.0 <= self.imputation <= 1.0, "imputation", "must be a probability in [0, 1]")
+        need(isinstance(self.residual_targets, (int, float)) and not isinstance(self.residual_targets, bool)
+             and 0.0 <= self.residual_targets <= 1.0, "residual_targets", "must be a probability in [0, 1]")
         need(self.categorical in CATEGORICAL_MODES, "categorical", f"must be one of {CATEGORICAL_MODES}")
         need(self.context_features in ContextFeatureSpec.NAMES, "context_features",
              f"must be one of {ContextFeatureSpec.NAMES}")
@@ -273,6 +278,10 @@ def pose_episode(table: EpisodeTable, take: np.ndarray, cols: int, task: str, cf
         context[:] = False
         context[rng.permutation(n)[:n_ctx]] = True
         query[~context, -1] = True
+        if table.task == REGRESSION and cfg.residual_targets > 0 and rng.random() < cfg.residual_targets:
+            base_c, base_q = ridge_baseline(x[context, :-1], x[~context, :-1], kind[:-1], card[:-1], x[context, -1], rng)
+            x[context, -1] -= base_c.astype(x.dtype)
+            x[~context, -1] -= base_q.astype(x.dtype)
         spec = ContextFeatureSpec.named(cfg.context_features)
         if spec is not None:  # measured on the codes as encoded, before they are shown as numbers
             n_classes = int(card[-1]) if table.task == CLASSIFICATION else None

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tabfm.data.batch import NUMERIC, PAD, TableBatch
-from tabfm.data.context_features import ContextFeatureSpec, context_features, feature_refs
+from tabfm.data.context_features import ContextFeatureSpec, context_features, feature_refs, ridge_baseline
 from tabfm.data.masking import hide_cells
 from .table import CLASSIFICATION, REGRESSION, SynthTable
 
@@ -63,6 +63,23 @@ def imputation_episode(table: SynthTable, rng: np.random.Generator, mask_fractio
     """
     query = hide_cells(table.X, rng, mask_fraction, mechanisms)
     return Episode(task=IMPUTATION, context=np.ones(table.shape[0], dtype=bool), query=query)
+
+
+def with_residual_target(table: SynthTable, episode: Episode, rng: np.random.Generator) -> SynthTable:
+    """A regression episode's table with its target replaced by what a context-fitted ridge misses
+    (tabfm.data.context_features.ridge_baseline: out of fold for the context rows, the full fit for
+    the query rows): the question TabFMRegressor's linear residual asks of the model."""
+    if episode.task != REGRESSION:
+        raise ValueError(f"a residual target needs a regression episode, got {episode.task!r}")
+    features = np.flatnonzero(np.arange(table.shape[1]) != table.target)
+    ctx, query = episode.context, ~episode.context
+    x = table.X
+    base_c, base_q = ridge_baseline(x[ctx][:, features], x[query][:, features], table.kind[features],
+                                    table.cardinality[features], x[ctx, table.target], rng)
+    grown = x.copy()
+    grown[ctx, table.target] = x[ctx, table.target] - base_c
+    grown[query, table.target] = x[query, table.target] - base_q
+    return SynthTable(X=grown, kind=table.kind, cardinality=table.cardinality, target=table.target, task=table.task)
 
 
 def with_context_features(table: SynthTable, episode: Episode, spec: ContextFeatureSpec,

@@ -24,13 +24,13 @@ from tabfm.data.seekable import SeekableStream
 from .config import PriorConfig
 from tabfm.data.context_features import ContextFeatureSpec
 from tabfm.data.masking import mechanism_shares
-from .episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode,
+from .episodes import (IMPUTATION, TASKS, Episode, imputation_episode, pack, prediction_episode, with_residual_target,
                             with_context_features)
 from .prior import sample_table
 from .table import CLASSIFICATION, REGRESSION, SynthTable
 
 # spawn-key domains: keep the random streams of shapes, tables, raw frames and context features apart
-_SHAPE, _TABLE, _RAW, _FEATURES = 0, 1, 2, 3
+_SHAPE, _TABLE, _RAW, _FEATURES, _RESIDUAL = 0, 1, 2, 3, 4
 _SHAPE_TRIES = 64
 
 
@@ -51,6 +51,8 @@ class StreamConfig:
     episodes then carry those extra columns after their own, so a batch is wider than its bucket
     by the widest table's extras (up to (max_classes - 1) x 3 columns with "knn-linear"), and holds
     only as many of the bucket's tables as keep it within `cells_per_batch` padded cells.
+    `residual_targets`: the share of regression episodes whose target is what a context-fitted ridge
+    misses (synth.episodes.with_residual_target), the question TabFMRegressor asks by default.
     `table_multiple` = M > 1: every batch holds a multiple of M tables (at least M, even where M of
     the position's shape exceed `cells_per_batch`), so it cuts into M equal micro-batches of whole
     tables (`tabfm pretrain --microbatches M`, the pipeline's micro-batches).
@@ -73,6 +75,7 @@ class StreamConfig:
     mask_mechanisms: tuple[float, float, float] = (1.0, 0.0, 0.0)
     context_features: str = "none"
     table_multiple: int = 1
+    residual_targets: float = 0.0
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # the pretraining default: tables up to 1024 x 64, ~128k cells per batch
@@ -124,6 +127,11 @@ class StreamConfig:
                                                             p_nominal_classes=0.5, p_missing=0.6, missing_rate=(0.05, 0.6),
                                                             p_mcar=1.0, p_mar=1.0, p_mnar=1.0),
                              "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0)},
+        # pretrain-nominal with half of the regression episodes asking for the ridge residual, the
+        # question TabFMRegressor asks by default (its linear_residual)
+        "pretrain-residual": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5,
+                                                             p_nominal_classes=0.5),
+                              "residual_targets": 0.5},
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),
@@ -184,7 +192,7 @@ class StreamConfig:
         p_cls = getattr(self.prior, "p_classification", 0.5)
         if not 0.0 <= p_cls <= 1.0:
             raise ValueError(f"StreamConfig.prior.p_classification must be in [0, 1] (got {p_cls!r})")
-        for name in ("classification", "regression", "imputation"):
+        for name in ("classification", "regression", "imputation", "residual_targets"):
             v = getattr(self, name)
             need(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0.0 <= v <= 1.0, name, "must be a probability in [0, 1]")
         if self.classification + self.regression + self.imputation <= 0:
@@ -303,6 +311,10 @@ class SynthStream(SeekableStream):
             episode = imputation_episode(table, rng, self.cfg.mask_fraction, self.cfg.mask_mechanisms)
         else:
             episode = prediction_episode(table, rng, self.cfg.context_fraction)
+        if features and task == REGRESSION and self.cfg.residual_targets > 0:  # own stream: the rest draws as without
+            rng_r = table_rng(self.seed, position, self.rank, index, _RESIDUAL)
+            if rng_r.random() < self.cfg.residual_targets:
+                table = with_residual_target(table, episode, rng_r)
         if features and self._features is not None:
             rng_f = table_rng(self.seed, position, self.rank, index, _FEATURES)
             table, episode = with_context_features(table, episode, self._features, rng_f)

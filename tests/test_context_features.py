@@ -239,6 +239,36 @@ def test_fine_tuning_episodes_carry_the_shared_columns_before_the_target():
         mixed.batch_at(p).validate()
 
 
+def test_store_regression_episodes_with_residual_targets():
+    """EpisodeConfig.residual_targets=1: a regression episode's query targets are y minus sklearn's
+    Ridge(alpha=1) fitted on the context rows (the features' design); its context features then
+    describe the residual; fine-tuning's episodes always ask for it (as the regressor does)."""
+    from sklearn.linear_model import Ridge
+    from tabfm.data.neighbors import design
+    from tabfm.data.table_episodes import EpisodeConfig, EpisodeTable, pose_episode
+    from tabfm.train.finetune import FinetuneConfig
+
+    rng = np.random.default_rng(3)
+    n = 60
+    x = np.column_stack([rng.normal(size=n), rng.integers(0, 4, n), rng.normal(size=n)]).astype(np.float32)
+    x[:, 2] = 2 * x[:, 0] + 0.5 * x[:, 1] + 0.1 * rng.normal(size=n)
+    kind, card = np.array([NUMERIC, CATEGORICAL, NUMERIC], np.int8), np.array([0, 4, 0])
+    table = EpisodeTable("t", x, kind, card, "regression", np.arange(n))
+    take = np.arange(48)
+    plain = EpisodeConfig(min_rows=8, max_rows=48, imputation=0.0, categorical="identity")
+    base = pose_episode(table, take, 3, "regression", plain, np.random.default_rng(5))
+    got = pose_episode(table, take, 3, "regression", plain.replace(residual_targets=1.0), np.random.default_rng(5))
+    bx, gx, ctx = base.x[0].numpy().astype(np.float64), got.x[0].numpy(), base.context[0].numpy()
+    np.testing.assert_array_equal(gx[:, :2], bx[:, :2])
+    a, b = design(bx[ctx, :2], bx[~ctx, :2], kind[:2], card[:2])
+    want = bx[~ctx, 2] - Ridge(alpha=1.0).fit(a, bx[ctx, 2]).predict(b)
+    np.testing.assert_allclose(gx[~ctx, 2], want, rtol=1e-4, atol=1e-4)
+    assert np.abs(gx[ctx, 2]).mean() < 0.5 * np.abs(bx[ctx, 2] - bx[ctx, 2].mean()).mean()  # out-of-fold: small
+    with pytest.raises(ValueError, match="residual_targets"):
+        EpisodeConfig(residual_targets=2.0)
+    assert FinetuneConfig().episode_config(10).residual_targets == 1.0
+
+
 def test_pretrain_from_an_init_keeps_its_context_features(tmp_path, capsys):
     """`tabfm pretrain --init tabfm-tiny-cf` without --context-features trains with the init's knn-linear
     columns (recorded in the run's config and its export), and says so; --context-features none drops them."""

@@ -376,6 +376,42 @@ def test_pretrain_missing_empties_feature_cells_of_prediction_episodes():
     assert 0.12 < heavy < 0.3 and nominal < 0.09 and heavy > 2.5 * nominal
 
 
+def test_residual_targets_are_what_a_context_fitted_ridge_misses():
+    """residual_targets=1: a regression episode's target is y minus sklearn's Ridge(alpha=1) on the
+    features' design, fitted on the context rows (out of fold for them, 5 folds from the episode's own
+    generator); every other cell, and every classification table of the stream, is as without."""
+    from sklearn.linear_model import Ridge
+    from tabfm.data.neighbors import design
+    from tabfm.synth.stream import table_rng
+
+    kw = dict(classification=0.5, regression=0.5, imputation=0.0, max_rows=96, max_cols=6, max_cells=576, cells_per_batch=2048)
+    plain = SynthStream(StreamConfig.preset("tiny", **kw), seed=4)
+    resid = SynthStream(StreamConfig.preset("tiny", **kw, residual_targets=1.0), seed=4)
+    n_reg = 0
+    for pos, j in itertools.product(range(3), range(4)):
+        (t0, e0), (t1, e1) = plain.table(pos, j), resid.table(pos, j)
+        np.testing.assert_array_equal(e0.context, e1.context)
+        feats = np.arange(t0.shape[1]) != t0.target
+        np.testing.assert_array_equal(np.nan_to_num(t0.X[:, feats], nan=-7), np.nan_to_num(t1.X[:, feats], nan=-7))
+        if t0.task != "regression":
+            np.testing.assert_array_equal(np.nan_to_num(t0.X, nan=-7), np.nan_to_num(t1.X, nan=-7))
+            continue
+        n_reg += 1
+        ctx, y = e0.context, t0.X[:, t0.target].astype(np.float64)
+        a, b = design(t0.X[ctx][:, feats], t0.X[~ctx][:, feats], t0.kind[feats], t0.cardinality[feats])
+        want_q = y[~ctx] - Ridge(alpha=1.0).fit(a, y[ctx]).predict(b)
+        np.testing.assert_allclose(t1.X[~ctx, t0.target], want_q, rtol=1e-4, atol=1e-4)
+        rng = table_rng(4, pos, 0, j, 4)
+        rng.random()  # the draw that chose a residual target
+        folds = rng.permutation(int(ctx.sum())) % min(5, int(ctx.sum()))
+        want_c = np.empty(int(ctx.sum()))
+        for f in np.unique(folds):
+            held = folds == f
+            want_c[held] = y[ctx][held] - Ridge(alpha=1.0).fit(a[~held], y[ctx][~held]).predict(a[held])
+        np.testing.assert_allclose(t1.X[ctx, t0.target], want_c, rtol=1e-4, atol=1e-4)
+    assert n_reg >= 3
+
+
 # ------------------------------------------------------------------ bad config
 @pytest.mark.parametrize(
     "field, kwargs",
@@ -397,6 +433,7 @@ def test_pretrain_missing_empties_feature_cells_of_prediction_episodes():
         ("context_fraction", dict(context_fraction=(0.8, 0.2))),
         ("mask_fraction", dict(mask_fraction=(0.1, 1.5))),
         ("mask_mechanisms", dict(mask_mechanisms=(1.0, 0.0))),
+        ("residual_targets", dict(residual_targets=1.5)),
         ("mask_mechanisms", dict(mask_mechanisms=(1.0, -1.0, 0.5))),
         ("mask_mechanisms", dict(mask_mechanisms=(0, 0, 0))),
     ],

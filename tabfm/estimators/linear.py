@@ -29,11 +29,11 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.metrics import roc_auc_score
 
+from tabfm.data.context_features import LINEAR_FOLDS, RIDGE_ALPHA, ridge_folds, ridge_scores
 from tabfm.data.neighbors import design
 
-FOLDS = 5  # out-of-fold scores of the context rows: k-fold over them
+FOLDS = LINEAR_FOLDS  # out-of-fold scores of the context rows: k-fold over them (RIDGE_ALPHA: the ridge's L2 strength)
 LOGISTIC_C = 1.0  # inverse L2 strength of the logistic regression (0/1 targets)
-RIDGE_ALPHA = 1.0  # L2 strength of the ridge regression (other targets)
 MAX_ITER = 200
 LINEAR_TOLERANCE = 0.05  # shown unless its concordance trails the best neighbour mean's by more
 
@@ -76,7 +76,7 @@ class LinearScores:
         if len(ctx) < 2:
             return None
         a, b = design(ctx, query, kind, cardinality)
-        return cls(a, b, rng.permutation(len(a)) % min(FOLDS, len(a)))
+        return cls(a, b, ridge_folds(len(a), rng))
 
     def features(self, targets: np.ndarray, dtype: type = np.float32, ridge: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Linear scores of each target column (n_context, m): (n_context, m) out of fold and
@@ -84,6 +84,9 @@ class LinearScores:
         `ridge`: ridge predictions even of a 0/1 target (see _fit_score)."""
         a, b = self._points
         t = np.asarray(targets, dtype=np.float64).reshape(len(a), -1)
+        if ridge:  # the ridge of tabfm.data.context_features, as pretraining's residual episodes compute it
+            ctx, query = ridge_scores(a, b, t, self.folds)
+            return ctx.astype(dtype), query.astype(dtype)
         ctx, query = np.zeros(t.shape), np.zeros((len(b), t.shape[1]))
         for j in range(t.shape[1]):
             for f in np.unique(self.folds):

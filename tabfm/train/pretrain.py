@@ -315,12 +315,13 @@ def store_data(cfg: PretrainConfig, headers: Any, rank: int, world_size: int, ma
     Batches hold at most data_cells_per_batch padded cells and data_max_batch tables (default: the
     stream preset's cells_per_batch / max_batch); episodes follow tabfm.data.table_episodes.EpisodeConfig's
     defaults (20 % imputation, ordinal categorical features) with the model's head width as max_classes
-    and the stream preset's imputation masks (mask_fraction, mask_mechanisms)."""
+    and the stream preset's imputation masks (mask_fraction, mask_mechanisms) and residual_targets."""
     stream_cfg = StreamConfig.preset(cfg.stream)
     cells = cfg.data_cells_per_batch if cfg.data_cells_per_batch is not None else stream_cfg.cells_per_batch
     max_batch = cfg.data_max_batch if cfg.data_max_batch is not None else stream_cfg.max_batch
     episodes = EpisodeConfig(max_classes=max_classes, context_features=cfg.context_features,
-                             mask_fraction=stream_cfg.mask_fraction, mask_mechanisms=stream_cfg.mask_mechanisms)
+                             mask_fraction=stream_cfg.mask_fraction, mask_mechanisms=stream_cfg.mask_mechanisms,
+                             residual_targets=stream_cfg.residual_targets)
     return StoreEpisodes(cfg.data, episodes, cells_per_batch=cells, max_batch=max_batch,
                          seed=cfg.seed, world_size=world_size, rank=rank, num_workers=cfg.workers, headers=headers)
 
