@@ -42,13 +42,12 @@ def _is_binary(t: np.ndarray) -> bool:
     return bool(np.isin(t, (0.0, 1.0)).all())
 
 
-def _fit_score(train_x: np.ndarray, train_t: np.ndarray, x: np.ndarray, ridge: bool = False) -> np.ndarray:
+def _fit_score(train_x: np.ndarray, train_t: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Scores of the rows x from a linear model of train_t on train_x (constant target: its value,
-    or 0 = even odds for a 0/1 target with one class; no training row: 0); `ridge`: a ridge
-    prediction whatever the target's values (the regressor's baseline, on the target's scale)."""
+    or 0 = even odds for a 0/1 target with one class; no training row: 0)."""
     if len(train_t) == 0:
         return np.zeros(len(x))
-    binary = _is_binary(train_t) and not ridge
+    binary = _is_binary(train_t)
     if train_t.min() == train_t.max():
         return np.zeros(len(x)) if binary else np.full(len(x), float(train_t[0]))
     with warnings.catch_warnings():
@@ -81,7 +80,8 @@ class LinearScores:
     def features(self, targets: np.ndarray, dtype: type = np.float32, ridge: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Linear scores of each target column (n_context, m): (n_context, m) out of fold and
         (n_query, m), in `dtype` (float32 as model input; float64 as the regressor's baseline);
-        `ridge`: ridge predictions even of a 0/1 target (see _fit_score)."""
+        `ridge`: ridge predictions even of a 0/1 target (tabfm.data.context_features.ridge_scores, the
+        baseline pretraining's residual episodes subtract)."""
         a, b = self._points
         t = np.asarray(targets, dtype=np.float64).reshape(len(a), -1)
         if ridge:  # the ridge of tabfm.data.context_features, as pretraining's residual episodes compute it
@@ -91,8 +91,8 @@ class LinearScores:
         for j in range(t.shape[1]):
             for f in np.unique(self.folds):
                 held = self.folds == f
-                ctx[held, j] = _fit_score(a[~held], t[~held, j], a[held], ridge)
-            query[:, j] = _fit_score(a, t[:, j], b, ridge)
+                ctx[held, j] = _fit_score(a[~held], t[~held, j], a[held])
+            query[:, j] = _fit_score(a, t[:, j], b)
         return ctx.astype(dtype), query.astype(dtype)
 
     def subset(self, rows: np.ndarray) -> "LinearScores | None":
