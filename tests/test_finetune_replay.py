@@ -14,8 +14,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from sklearn.linear_model import Ridge
 
 from tabfm.cli import main
+from tabfm.data.batch import NUMERIC
+from tabfm.data.neighbors import design
 from tabfm.data.store import write_table
 from tabfm.data.table_episodes import TableEpisodeSampler, holdout_split
 from tabfm.model import ModelConfig
@@ -140,13 +143,17 @@ def test_replay_batches_are_the_replay_tables_training_rows_at_the_seeded_positi
             assert len(rows) == batch.x.shape[1] <= len(train) and set(rows) <= set(train)  # its training rows
             shown = batch.x[j].numpy().ravel()
             assert np.isin(frame[cont[:2]].iloc[rows].to_numpy(F32).ravel(), shown).all()  # exactly those rows
-            if info.tasks[j] == "regression":  # its own target, not --target's
-                assert np.isin(frame["amount"].iloc[rows].to_numpy(F32), shown).all()
+            if info.tasks[j] == "regression":  # its own target, not --target's, as the ridge residual the regressor predicts
+                x, ctx = batch.x[j].numpy().astype(np.float64), batch.context[j].numpy()
+                amount, target = frame["amount"].iloc[rows].to_numpy(np.float64), int(batch.col_valid[j].sum()) - 1
+                a, b = design(x[ctx, :2], x[~ctx, :2], np.array([NUMERIC, NUMERIC]), np.array([0, 0]))
+                want = amount[~ctx] - Ridge(alpha=1.0).fit(a, amount[ctx]).predict(b)
+                np.testing.assert_allclose(x[~ctx, target], want, rtol=1e-4, atol=1e-4)
             tasks.setdefault(info.table, set()).add(info.tasks[j])
         rank_rows_differ += any(not np.array_equal(a, b) for a, b in zip(info.rows, i1.rows))
     want = [reference_source(0, p, 0.3, prior=False) for p in range(n)]
     assert sources == want and 0.15 < sources.count("replay") / n < 0.5
-    assert tasks["old_amounts"] <= {"regression", "imputation"} and "classification" in tasks["old_labels"]
+    assert "regression" in tasks["old_amounts"] <= {"regression", "imputation"} and "classification" in tasks["old_labels"]
     assert rank_rows_differ  # ranks draw other episodes at the same positions
 
     # both: a preset with --replay-data splits the replayed positions, by the second draw of the position
