@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from tabfm.estimators import TabFMRegressor
-from tabfm.eval.metrics import regression_metrics
-from tabfm.eval.protocols import regression_splits
+from tabfm.eval.protocols import run_regression
 from tabfm.eval.suites import load_suite
 
 from common import machine_info
@@ -45,14 +44,10 @@ def parse_setting(text: str) -> tuple[str, dict]:
 
 
 def r2_per_table(ds, params: dict) -> tuple[float, float]:
-    """Mean R^2 over the protocol's folds of one table, and the seconds it took."""
-    X, y = ds.X, ds.frame[ds.target].to_numpy(dtype=np.float64)
-    t0, scores = time.perf_counter(), []
-    for tr, te in regression_splits(len(y)):
-        est = TabFMRegressor(**{"random_state": 0, "progress": False, **params})
-        est.fit(X.iloc[tr].reset_index(drop=True), y[tr])
-        scores.append(regression_metrics(y[te], est.predict(X.iloc[te].reset_index(drop=True)))["r2"])
-    return float(np.mean(scores)), time.perf_counter() - t0
+    """Mean R^2 over the protocol's folds of one table (tabfm eval's run_regression), and the seconds it took."""
+    t0 = time.perf_counter()
+    result = run_regression(ds, lambda: TabFMRegressor(**{"random_state": 0, "progress": False, **params}))
+    return float(result["metrics"]["r2"]), time.perf_counter() - t0
 
 
 def main() -> None:
