@@ -156,10 +156,26 @@ def test_best_keeper_exports_only_improvements_beyond_the_holdouts_noise():
     run(0.0)  # no test: the lucky draw counts
     assert [s for _, s in exported] == pytest.approx([start["t"].mean(), noisy["t"].mean(), clear["t"].mean()])
 
+    # tested against the start: a later step a little lower than the best (z ~ 0.5 against it) but far
+    # below the start is exported; a step below the best by score yet not clearly below the start is not
+    clearer = {"t": clear["t"] - 0.002 + rng.normal(0.0, 0.05, size=400)}
+    clearer["t"] += clear["t"].mean() - 0.002 - clearer["t"].mean()
+    assert paired_z(clear, clearer) < 2.0 < paired_z(start, clearer)
+    keeper = BestKeeper(patience=0, min_delta=1e-4, significance=2.0)
+    for rows in (start, clear, clearer):
+        out = keeper.update({"score": float(rows["t"].mean())}, rows)
+    assert out["improved"] == 1.0 and keeper.best["score"] == pytest.approx(clearer["t"].mean())
+    assert out["z_vs_start"] == pytest.approx(paired_z(start, clearer))
+
     again = BestKeeper(patience=0, min_delta=1e-4, significance=2.0)  # the paired rows ride in the checkpoint state
     again.load_state_dict(json.loads(json.dumps(strict.state_dict())))
-    assert np.array_equal(again.best_rows["t"], strict.best_rows["t"])
-    assert again.update({"score": float(noisy["t"].mean())}, noisy)["improved"] == 0.0
+    assert np.array_equal(again.initial_rows["t"], start["t"])
+    lucky = {"t": clear["t"] + 0.2}  # above the best by score: not an improvement, whatever its z
+    assert again.update({"score": float(lucky["t"].mean())}, lucky)["improved"] == 0.0
+    lower = {"t": start["t"] + rng.normal(0.0, 1.5, size=400)}  # below the best by score, z < 2 vs the start
+    lower["t"] += clear["t"].mean() - 0.01 - lower["t"].mean()
+    assert paired_z(start, lower) < 2.0
+    assert again.update({"score": float(lower["t"].mean())}, lower)["improved"] == 0.0
 
 
 def test_the_summary_says_when_no_step_beat_the_start():

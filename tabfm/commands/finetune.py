@@ -65,7 +65,8 @@ _HELP = {
     "eval_every": "steps between held-out evaluations (default 25)",
     "patience": "evaluations without improvement before stopping (0: never; default 4)",
     "significance": "an evaluation counts as an improvement (and is exported) only when the held-out rows' "
-                    "losses drop by more than this many paired standard errors; 0: any improvement (default 2)",
+                    "losses are lower than the starting weights' by more than this many paired standard errors; 0: any "
+                    "improvement (default 2)",
     "ckpt_every": "steps between checkpoints (default 25)",
     "keep_last": "checkpoints kept; older ones are removed (default 2)",
     "log_every": "steps between logged training metrics, and between plain progress lines without a progress "
