@@ -175,7 +175,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS_SUPERVISED, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None,
-                 categorical: str = "ordinal", numeric: str = "raw",
+                 categorical: str = "ordinal", numeric: str = "mixed",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
                  multiclass: str = "auto", n_codebooks: int | None = None, alphabet_size: int | None = None,
                  max_classes: int = 100,

@@ -55,7 +55,7 @@ class SupervisedParams(CommonParams):
 class ClassifierParams(SupervisedParams):
     """TabFMClassifier's parameters."""
 
-    numeric: Literal["raw", "quantile", "mixed"] = "raw"
+    numeric: Literal["raw", "quantile", "mixed"] = "mixed"
     multiclass: Literal["auto", "ovr", "native", "ecoc"] = Field("auto", description="auto: ecoc for weights "
                                                                  "with context features, else ovr")
     n_codebooks: Optional[int] = Field(None, ge=1, description="multiclass=ecoc: codebooks (passes) per member; "
