@@ -34,9 +34,22 @@ class DistributedError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on every address: the rendezvous store listens on the wildcard, and a port free on
+    127.0.0.1 alone can be held by another test's store on [::] (the kernel then hands the same
+    port out again and again, and every rendezvous fails with EADDRINUSE)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if not socket.has_ipv6:
+            return port
+        try:
+            with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s6:
+                s6.bind(("::", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no port free on both IPv4 and IPv6 after 100 tries")
 
 
 def _portable(obj: Any) -> Any:

@@ -823,7 +823,7 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     before = tabfm_methods()["classification"]["tabfm"].version
     assert set(before) == {"tabfm", "params", "code"}
     defaults = TabFMClassifier.__init__.__defaults__
-    assert defaults[-9:] == ("ordinal", "raw", (5, 20), True, "auto", None, None, 100, "torch")  # categorical,
+    assert defaults[-9:] == ("ordinal", "mixed", (5, 20), True, "auto", None, None, 100, "torch")  # categorical,
     # numeric, n_neighbors, linear_features, multiclass, n_codebooks, alphabet_size, max_classes, backend
     monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-5] + ("native", None, None, 100, "torch"))
     after = tabfm_methods()["classification"]["tabfm"].version

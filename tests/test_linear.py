@@ -143,7 +143,7 @@ def test_features_read_every_column_the_model_the_members(export_dir):
     X, y = table(80)
     stub = StubModel()
     clf = TabFMClassifier(model=stub, n_estimators=3, random_state=0, max_columns=2, n_neighbors=5,
-                          linear_features=False).fit(X, y)
+                          linear_features=False, numeric="raw").fit(X, y)  # raw: shares of the raw view below
     clf.predict_proba(X[:10])
     members = clf._members(cover_all=False, n_classes=2)
     assert {len(m.column_groups[0]) for m in members} == {2} and len({tuple(m.column_groups[0]) for m in members}) > 1
