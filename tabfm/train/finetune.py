@@ -583,12 +583,12 @@ class HoldoutEval:
 
 # --------------------------------------------------------------------------- early stopping
 
-def paired_z(best: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> float:
-    """How many standard errors lower `new`'s per-row losses are than `best`'s, on the same rows:
+def paired_z(ref: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> float:
+    """How many standard errors lower `new`'s per-row losses are than `ref`'s, on the same rows:
     the mean over tables of each table's mean paired difference, over its standard error (tables
     independent). +inf when every difference is equal and positive, 0 when there are none."""
     means, var = [], 0.0
-    for name, b in best.items():
+    for name, b in ref.items():
         d = np.asarray(b, dtype=np.float64) - np.asarray(new[name], dtype=np.float64)
         means.append(float(d.mean()) if len(d) else 0.0)
         var += float(d.var(ddof=1)) / len(d) if len(d) > 1 else 0.0
