@@ -132,6 +132,13 @@ class StreamConfig:
         "pretrain-residual": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5,
                                                              p_nominal_classes=0.5),
                               "residual_targets": 0.5},
+        # pretrain-impute's episode mix and masks with pretrain-residual's regression questions: a stage
+        # that keeps what the residual stage gains for the regressor without losing the imputer
+        "pretrain-residual-impute": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5,
+                                                                    p_nominal_classes=0.5),
+                                     "classification": 0.45, "regression": 0.2, "imputation": 0.35,
+                                     "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0),
+                                     "residual_targets": 0.5},
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),
