@@ -704,16 +704,16 @@ def test_cli_predict(cli_main, export_dir, tmp_path, capsys):
                      "--n-estimators", "1"]) == 0
     stdout = capsys.readouterr().out.splitlines()
     assert stdout[0] == "target" and len(stdout) == 41
-    # --no-linear-residual reaches the regressor: the CLI's predictions are the estimator's
+    # --linear-residual off reaches the regressor: the CLI's predictions are the estimator's
     out = tmp_path / "reg_pred.csv"
     assert cli_main(["predict", "--model", export_dir, "--train", str(tmp_path / "reg.csv"), "--test",
                      str(tmp_path / "reg.csv"), "--target", "target", "--task", "regression",
-                     "--n-estimators", "1", "--no-linear-residual", "--out", str(out)]) == 0
+                     "--n-estimators", "1", "--linear-residual", "off", "--out", str(out)]) == 0
     reg = pd.read_csv(tmp_path / "reg.csv")
     want = TabFMRegressor(model=export_dir, n_estimators=1, random_state=0, linear_residual=False).fit(
         reg.drop(columns="target"), reg["target"]).predict(reg.drop(columns="target"))
     np.testing.assert_allclose(pd.read_csv(out)["target"].to_numpy(), want, rtol=1e-5, atol=1e-5)
-    assert cli_main([*args, "--no-linear-residual"]) == 2
+    assert cli_main([*args, "--linear-residual", "on"]) == 2
     assert "regression only" in capsys.readouterr().err
 
 

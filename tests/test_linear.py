@@ -169,7 +169,7 @@ def test_regressor_predicts_the_ridge_residual(export_dir):
     y = 3.0 * X["a"].to_numpy() - 2.0 * X["c"].to_numpy() + X["b"].map({"u": 0.0, "v": 4.0, "w": -4.0}).to_numpy() + 100
     tr, te = slice(0, 60), slice(60, 80)
     kw = dict(model=export_dir, n_estimators=2, random_state=0)
-    res = TabFMRegressor(**kw).fit(X[tr], y[tr])
+    res = TabFMRegressor(**kw, linear_residual=True).fit(X[tr], y[tr])
     plain = TabFMRegressor(**kw, linear_residual=False).fit(X[tr], y[tr])
 
     def r2(p):
@@ -180,7 +180,50 @@ def test_regressor_predicts_the_ridge_residual(export_dir):
     np.testing.assert_allclose(res.predict(X[te], output="median"), q[:, 1], rtol=1e-9)
     assert np.abs(q[:, 1] - y[te]).mean() < 0.1 * y[te].std()  # the quantiles are shifted too
     np.testing.assert_allclose(res.predict(X[60:70]), res.predict(X[te])[:10], rtol=1e-5, atol=1e-4)
-    assert res.get_params()["linear_residual"] is True and res.get_params()["numeric"] == "quantile"
+    assert TabFMRegressor().get_params()["linear_residual"] == "mixed" and res.get_params()["numeric"] == "quantile"
+
+
+def test_precision_weighted_by_hand():
+    """Two predictions (mean, q16, q84) per row: each row weights them by the inverse of its spread
+    squared; equal spreads give the plain mean, two zero spreads 0.5 each."""
+    from tabfm.estimators.regressor import precision_weighted
+
+    a = np.array([[10.0, 9.0, 11.0], [0.0, -3.0, 3.0], [1.0, 1.0, 1.0]])  # spreads 2, 6, 0
+    b = np.array([[20.0, 16.0, 24.0], [6.0, 3.0, 9.0], [3.0, 3.0, 3.0]])  # spreads 8, 6, 0
+    w = np.array([64 / (4 + 64), 0.5, 0.5])[:, None]  # var_b / (var_a + var_b)
+    np.testing.assert_allclose(precision_weighted(a, b), w * a + (1 - w) * b)
+    assert precision_weighted(a, b)[0, 0] == pytest.approx(10 + 10 * 4 / 68)
+
+
+def test_mixed_regressor_members_and_weights(export_dir, monkeypatch):
+    """linear_residual="mixed": member 0 predicts the ridge residual, member 1 the target, and the two
+    are combined per row by precision_weighted of their own distributions: one member alone is
+    the residual regressor; two give exactly the weighted mean of the residual half (member 0,
+    as TabFMRegressor(n_estimators=1, linear_residual=True)) and the target half (member 1)."""
+    import tabfm.estimators.regressor as regressor
+
+    rng = np.random.default_rng(3)
+    X = pd.DataFrame({"a": rng.normal(size=70), "c": rng.normal(size=70)})
+    y = np.sin(2 * X["a"].to_numpy()) + X["c"].to_numpy() + 5
+    tr, te = slice(0, 50), slice(50, 70)
+    kw = dict(model=export_dir, random_state=0)
+    one = TabFMRegressor(**kw, n_estimators=1, linear_residual=True).fit(X[tr], y[tr]).predict_quantiles(X[te], [0.2, 0.7])
+    np.testing.assert_allclose(TabFMRegressor(**kw, n_estimators=1, linear_residual="mixed").fit(X[tr], y[tr])
+                               .predict_quantiles(X[te], [0.2, 0.7]), one)
+    seen = []
+    real = regressor.precision_weighted
+    monkeypatch.setattr(regressor, "precision_weighted", lambda a, b: seen.append((a, b)) or real(a, b))
+    mixed = TabFMRegressor(**kw, n_estimators=2, linear_residual="mixed").fit(X[tr], y[tr])
+    mean, q = mixed._distribution(X[te], [0.2, 0.7])
+    (a, b), = seen
+    resid = TabFMRegressor(**kw, n_estimators=1, linear_residual=True).fit(X[tr], y[tr])._distribution(X[te], [0.2, 0.7, 0.16, 0.84])
+    np.testing.assert_allclose(a[:, 0], resid[0], rtol=1e-6)
+    np.testing.assert_allclose(a[:, 1:], resid[1], rtol=1e-6)
+    w = ((b[:, 4] - b[:, 3]) ** 2 / ((a[:, 4] - a[:, 3]) ** 2 + (b[:, 4] - b[:, 3]) ** 2))
+    np.testing.assert_allclose(mean, w * a[:, 0] + (1 - w) * b[:, 0])
+    assert not np.allclose(b[:, 0], a[:, 0])  # the target half asked another question
+    with pytest.raises(ValueError, match="linear_residual must be True, False or 'mixed'"):
+        TabFMRegressor(**kw, linear_residual="on").fit(X[tr], y[tr])
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pandas loads when the command runs, not for --help
     import pandas as pd
 
 MAX_INT_CLASSES = 20  # an integer target with at most this many distinct values is read as classes
+RESIDUAL_FLAGS = {"mixed": "mixed", "on": True, "off": False}  # --linear-residual -> TabFMRegressor(linear_residual=...)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,8 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="sizes of the neighbour features, comma-separated; 0 = off (default 5,20)")
     p.add_argument("--no-linear-features", dest="linear_features", action="store_false",
                    help="leave out the linear-model feature column (default: on)")
-    p.add_argument("--no-linear-residual", dest="linear_residual", action="store_false",
-                   help="regression: predict the target itself, not a ridge regression's residual (default: residual)")
+    p.add_argument("--linear-residual", choices=RESIDUAL_FLAGS, default=None,
+                   help="regression: on = the model predicts a ridge regression's residual, off = the target itself, "
+                        "mixed = half the members each, weighted per row by their predictive variances (default mixed)")
     p.add_argument("--max-classes", type=int, default=100,
                    help="classification: refuse a numeric target with more distinct values (default 100: such a "
                         "target is a quantity, use --task regression); raise it to classify anyway")
@@ -132,10 +134,11 @@ def run(args: argparse.Namespace) -> int:
                   linear_features=args.linear_features, progress=progress)
     if args.model is not None:  # else the estimator's own default for its task
         params["model"] = args.model
-    if not args.linear_residual and task == "classification":
-        raise ValueError("--no-linear-residual applies to regression only")
-    est = TabFMClassifier(**params, max_classes=args.max_classes) if task == "classification" else TabFMRegressor(**params,
-                                                                                  linear_residual=args.linear_residual)
+    if args.linear_residual is not None and task == "classification":
+        raise ValueError("--linear-residual applies to regression only")
+    if args.linear_residual is not None:  # else the regressor's own default
+        params["linear_residual"] = RESIDUAL_FLAGS[args.linear_residual]
+    est = TabFMClassifier(**params, max_classes=args.max_classes) if task == "classification" else TabFMRegressor(**params)
     try:
         est.fit(train, y)
         if task == "classification":

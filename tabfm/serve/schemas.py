@@ -69,7 +69,8 @@ class RegressorParams(SupervisedParams):
     """TabFMRegressor's parameters."""
 
     numeric: Literal["raw", "quantile", "mixed"] = "quantile"
-    linear_residual: bool = True
+    linear_residual: Union[StrictBool, Literal["mixed"]] = Field("mixed", description="true: predict a ridge regression's "
+                                                          "residual; false: the target; mixed: half the members each")
 
 
 class ImputerParams(CommonParams):

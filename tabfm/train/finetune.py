@@ -214,14 +214,15 @@ class FinetuneConfig:
     def episode_config(self, max_classes: int, context_features: str = "none") -> EpisodeConfig:
         """The episode settings, for a model whose categorical head scores `max_classes` codes and
         that reads `context_features` (its ModelConfig's: fine-tuning trains on what inference shows,
-        so regression episodes ask for the ridge residual the regressor predicts); rows in multiples
+        so half the regression episodes ask for the ridge residual, as half the regressor's members
+        do by default, linear_residual="mixed"); rows in multiples
         of sp (row-sequence parallel ranks split them evenly)."""
         return EpisodeConfig(min_rows=self.min_rows, max_rows=self.max_rows, cells_per_batch=self.cells_per_batch,
                              max_batch=self.max_batch, max_columns=self.max_columns, max_classes=max_classes,
                              context_fraction=self.context_fraction, mask_fraction=self.mask_fraction,
                              imputation=self.imputation, categorical=self.categorical,
                              context_features=context_features, row_multiple=self.sp,
-                             residual_targets=1.0)  # the regressor predicts the ridge residual by default
+                             residual_targets=0.5)  # TabFMRegressor's mixed members: residual and target
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
