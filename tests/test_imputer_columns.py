@@ -43,8 +43,8 @@ def test_each_column_is_its_supervised_estimator():
         miss = X[col].isna().to_numpy()
         y = X.loc[~miss, col]
         y = y.astype(float) if est_type is TabFMRegressor else y.astype(bool) if col == "flag" else y
-        extra = {"linear_residual": False} if est_type is TabFMRegressor else {}  # the imputer's regressors: no residual
-        est = est_type(random_state=column_seed(imp.ensemble_seed_, j), **kw, **extra).fit(X.loc[~miss].drop(columns=[col]), y)
+        # the imputer's column estimators are the supervised estimators with their defaults (mixed regressor members)
+        est = est_type(random_state=column_seed(imp.ensemble_seed_, j), **kw).fit(X.loc[~miss].drop(columns=[col]), y)
         expected = est.predict(X.loc[miss].drop(columns=[col]))
         got = out.loc[miss, col].to_numpy()
         if est_type is TabFMRegressor:
@@ -103,8 +103,7 @@ def test_a_later_round_refits_each_column_on_the_filled_table():
         j = list(X.columns).index(col)
         miss = X[col].isna().to_numpy()
         features = one.drop(columns=[col])
-        extra = {"linear_residual": False} if est_type is TabFMRegressor else {}
-        est = est_type(random_state=column_seed(imp.ensemble_seed_, j), **ref, **extra).fit(features[~miss], X.loc[~miss, col])
+        est = est_type(random_state=column_seed(imp.ensemble_seed_, j), **ref).fit(features[~miss], X.loc[~miss, col])
         expected = est.predict(features[miss])
         got = two.loc[miss, col].to_numpy()
         if est_type is TabFMRegressor:

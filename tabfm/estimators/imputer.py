@@ -4,10 +4,12 @@ Two strategies (`strategy`). "columns" (the default): each column with missing c
 predicted from the row's other columns exactly as TabFMRegressor (numeric columns) or
 TabFMClassifier (categorical and boolean columns) predict one: the fitted rows where that column
 is observed are the context, with the context features the model was pretrained with (MissForest's
-layout, one supervised model per column, with the foundation model in place of the forest), but
-without the regressor's ridge residual: fitted on features with cells missing at the imputation
-suite's rates (filled with their means) the ridge is a poor baseline, and predicting its residual
-was worse (BENCHMARKS.md "Regression: the ridge residual for tabfm-tiny-cf"). It
+layout, one supervised model per column, with the foundation model in place of the forest), numeric
+columns by the regressor's default mixed members (half on the ridge residual, half on the column
+itself, weighted per row by their predictive variances): on features with cells missing at the
+imputation suite's rates (filled with their means) the ridge alone is a poor baseline (every member
+on its residual was worse than none), but where the residual half is surer it still helps (subset
+of BENCHMARKS.md "Imputation: mixed column regressors": 0.8531 -> 0.8455 standardised RMSE). It
 costs one supervised prediction (n_estimators members) per column with missing cells and round.
 Later rounds (`n_rounds`) show the other missing cells filled with the previous round's estimates,
 in the query rows and the fitted rows alike, as MissForest iterates. Datetime columns, and every
@@ -284,8 +286,8 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                       max_columns=min(self.max_columns, DEFAULT_MAX_COLUMNS_SUPERVISED), chunk_size=self.chunk_size,
                       progress=False, backend=self.backend)
         y = table.loc[observed, spec.name]
-        if spec.type == NUMERIC_T:  # no ridge residual: on mean-filled missing cells the ridge is a poor baseline
-            est = self.column_estimators["regression"](**params, linear_residual=False)
+        if spec.type == NUMERIC_T:  # half the members on the ridge residual, weighted per row (module doc)
+            est = self.column_estimators["regression"](**params, linear_residual="mixed")
             y = y.astype(np.float64)
         else:
             if spec.type == BOOLEAN_T:
