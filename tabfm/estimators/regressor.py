@@ -18,8 +18,9 @@ Mixed (linear_residual="mixed", the default): even members predict the ridge res
 members the target itself, and each row's prediction weights the two halves' averages by the
 inverse of their predictive variances (spread from the 16 % and 84 % quantiles), so a row takes
 the residual where the linear part explains it and the model alone where the ridge misleads it;
-the same passes as either (offline regression suite, tabfm-tiny-cf: mean R^2 0.738 residual, 0.721
-model alone, 0.743 mixed; BENCHMARKS.md "Regression: residual and plain members, weighted per row").
+the same passes as either (offline regression suite, stage-17 tabfm-tiny-cf: mean R^2 0.738 residual, 0.721
+model alone, 0.743 mixed; stage 23: 0.747 mixed; BENCHMARKS.md "Regression: residual and plain members,
+weighted per row").
 """
 from __future__ import annotations
 
