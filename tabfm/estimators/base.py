@@ -30,6 +30,7 @@ from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
 from .linear import LinearScores, worth_showing
+from .local_context import LOCAL_CONTEXT_ROWS, LocalContexts
 from tabfm.data.neighbors import Neighbors, neighbor_sizes
 
 DEFAULT_N_ESTIMATORS = 4
@@ -376,7 +377,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
                  progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "raw",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
-                 backend: str = "torch") -> None:
+                 local_context: int = LOCAL_CONTEXT_ROWS, backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, backend=backend)
@@ -384,18 +385,47 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         self.numeric = numeric
         self.n_neighbors = n_neighbors
         self.linear_features = linear_features
+        self.local_context = local_context
+
+    def _check_params(self) -> None:
+        super()._check_params()
+        v = self.local_context
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"local_context must be an int >= 0 (rows; 0 = off), got {v!r}")
+
+    def _fit_local(self, target: np.ndarray) -> None:
+        """Group the training rows for the local members (None: no local members; module
+        tabfm.estimators.local_context). target: (n,) numbers or (n, k) class indicators."""
+        size = min(int(self.local_context), int(self.max_context_rows))
+        self.local_: LocalContexts | None = None if size == 0 or self.n_estimators < 2 else LocalContexts.of(
+            self.train_x_, self._kind, self._card, target, size, self.ensemble_seed_)
+
+    def _is_local(self, i: int) -> bool:
+        """Member i reads local contexts: every second pair of members (0, 1 global; 2, 3 local; ...),
+        so each alternating choice (numeric view, residual) is made on both kinds of context."""
+        return getattr(self, "local_", None) is not None and (i // 2) % 2 == 1
+
+    def _views(self, member: Member, i: int, x: np.ndarray, classes: bool, rt: Runtime) -> list[tuple[np.ndarray, View]]:
+        """(query row indices, view) pairs that cover x once: one view of all rows, or, for a local
+        member, one view per group of rows with that group's local context."""
+        if not self._is_local(i):
+            return [(np.arange(len(x)), self._supervised_view(member, x, classes, rt))]
+        return [(q, self._supervised_view(member, x[q], classes, rt, rows=rows)) for q, rows in self.local_.groups(x)]
 
     def _uses_linear(self, legacy: bool) -> bool:
         """Does a view need the context-fitted linear scores (View.linear)? For the linear feature
         columns only with a `legacy` model (one pretrained without context features)."""
         return bool(self.linear_features) and legacy
 
-    def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool, rt: Runtime) -> View:
+    def _supervised_view(self, member: Member, x_query: np.ndarray, classes: bool, rt: Runtime,
+                         rows: np.ndarray | None = None) -> View:
         """A member's view of the table for the target `self.y_` (see View); classes: y_ holds class
-        codes (the context is then stratified by class). A model with context features gets no
-        other extra column (the legacy neighbour / linear features are for models without)."""
-        rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows,
-                         self.y_ if classes else None)
+        codes (the context is then stratified by class); rows: its context rows (default: a random
+        subsample of max_context_rows). A model with context features gets no other extra column
+        (the legacy neighbour / linear features are for models without)."""
+        if rows is None:
+            rows = subsample(member.rng(0), np.arange(len(self.train_x_)), self.max_context_rows,
+                             self.y_ if classes else None)
         # neighbour and linear features read every column, the model the member's own (max_columns)
         legacy = rt.context_features == "none"
         sizes = neighbor_sizes(self.n_neighbors) if legacy else ()

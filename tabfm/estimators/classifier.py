@@ -62,6 +62,7 @@ from tabfm.weights import DEFAULT_MODELS
 
 from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS,
                    DEFAULT_N_NEIGHBORS, Runtime, SupervisedTabFMEstimator, View)
+from .local_context import LOCAL_CONTEXT_ROWS
 
 
 ODDS_CLIP = 1e-6  # P(c against the rest) is kept in [1e-6, 1 - 1e-6] before it becomes odds
@@ -178,12 +179,12 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
                  categorical: str = "ordinal", numeric: str = "mixed",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
                  multiclass: str = "auto", n_codebooks: int | None = None, alphabet_size: int | None = None,
-                 max_classes: int = 100,
+                 max_classes: int = 100, local_context: int = LOCAL_CONTEXT_ROWS,
                  backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
-                         linear_features=linear_features, backend=backend)
+                         linear_features=linear_features, local_context=local_context, backend=backend)
         self.multiclass = multiclass
         self.n_codebooks = n_codebooks
         self.alphabet_size = alphabet_size
@@ -205,6 +206,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
             raise ValueError(f"y has {n} distinct numeric values, more than max_classes={self.max_classes}: it looks like "
                              "a quantity to regress (TabFMRegressor, tabfm predict --task regression); to classify it "
                              f"anyway pass max_classes >= {n}")
+        self._fit_local(np.eye(n)[self.y_])
         if n == 1:
             warnings.warn(f"y has a single class {self.classes_[0]!r}: every prediction will be that class "
                           "with probability 1", UserWarning, stacklevel=2)
@@ -260,16 +262,20 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
         ecoc = n > rt.max_categories and strategy == "ecoc"
         total = np.zeros((len(x), n))  # members' probabilities, or ("ecoc") their class scores, summed
         with self._bar(len(members) * self._passes_per_member(n, rt.max_categories, strategy), "predict_proba") as bar:
-            for m in members:
-                view = self._supervised_view(m, x, classes=True, rt=rt)
-                y = m.class_perm[self.y_[view.rows]]
-                if ovr:
-                    probs = self._one_vs_rest(rt.for_member(m), view, y, n, bar.update)
-                elif ecoc:
-                    probs = self._output_codes(rt.for_member(m), view, y, n, m.rng(2), bar.update)  # scores
-                else:
-                    probs = self._class_tree(rt.for_member(m), view, y, n, bar.update)
-                total += m.unpermute_classes(probs)
+            for i, m in enumerate(members):
+                views = self._views(m, i, x, classes=True, rt=rt)
+                done = bar.update if len(views) == 1 else (lambda: None)  # a local member: one tick per member
+                for q, view in views:
+                    y = m.class_perm[self.y_[view.rows]]
+                    if ovr:
+                        probs = self._one_vs_rest(rt.for_member(m), view, y, n, done)
+                    elif ecoc:
+                        probs = self._output_codes(rt.for_member(m), view, y, n, m.rng(2), done)  # scores
+                    else:
+                        probs = self._class_tree(rt.for_member(m), view, y, n, done)
+                    total[q] += m.unpermute_classes(probs)
+                if len(views) > 1:
+                    bar.update(self._passes_per_member(n, rt.max_categories, strategy))
         total = self._finite(total / len(members), "class scores" if ecoc else "class probabilities")
         if ecoc:  # members pooled in log space (module doc)
             total = softmax_rows(total)

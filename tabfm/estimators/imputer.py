@@ -284,7 +284,8 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
         params = dict(model=self.model, n_estimators=self.n_estimators, random_state=column_seed(self.ensemble_seed_, j),
                       device=self.device, precision=self.precision, max_context_rows=self.max_context_rows,
                       max_columns=min(self.max_columns, DEFAULT_MAX_COLUMNS_SUPERVISED), chunk_size=self.chunk_size,
-                      progress=False, backend=self.backend)
+                      progress=False, backend=self.backend,
+                      local_context=0)  # local contexts are measured for prediction, not yet for imputation
         y = table.loc[observed, spec.name]
         if spec.type == NUMERIC_T:  # half the members on the ridge residual, weighted per row (module doc)
             est = self.column_estimators["regression"](**params, linear_residual="mixed")

@@ -39,6 +39,7 @@ from tabfm.weights import DEFAULT_MODELS
 
 from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS, DEFAULT_N_ESTIMATORS,
                    DEFAULT_N_NEIGHBORS, SupervisedTabFMEstimator)
+from .local_context import LOCAL_CONTEXT_ROWS
 
 OUTPUTS = ("mean", "median")
 SPREAD_LEVELS = [0.16, 0.84]  # a normal's mean -+ 1 sd: the spread that weights the two halves of a mixed ensemble
@@ -66,11 +67,12 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
                  progress: bool | None = None,
                  categorical: str = "ordinal", numeric: str = "quantile",
                  n_neighbors: int | tuple[int, ...] = DEFAULT_N_NEIGHBORS, linear_features: bool = True,
-                 linear_residual: bool | str = "mixed", backend: str = "torch") -> None:
+                 linear_residual: bool | str = "mixed", local_context: int = LOCAL_CONTEXT_ROWS,
+                 backend: str = "torch") -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, categorical=categorical, numeric=numeric, n_neighbors=n_neighbors,
-                         linear_features=linear_features, backend=backend)
+                         linear_features=linear_features, local_context=local_context, backend=backend)
         self.linear_residual = linear_residual
 
     def _uses_linear(self, legacy: bool) -> bool:
@@ -96,6 +98,7 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
         if np.abs(values).max() > F32_MAX:
             raise ValueError(f"y holds {values[np.argmax(np.abs(values))]!r}, beyond the float32 range the model reads")
         self.y_ = values
+        self._fit_local(values)
         return self
 
     def predict(self, X: Any, output: str = "mean") -> np.ndarray:
@@ -129,14 +132,14 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
         count = {True: 0, False: 0}
         with self._bar(len(members), "predict") as bar:
             for i, m in enumerate(members):
-                view = self._supervised_view(m, x, classes=False, rt=rt)
                 residual = (i % 2 == 0) if mixed else bool(self.linear_residual)
-                y, shift = self.y_[view.rows], np.zeros((len(x), 1))
-                if residual and view.linear is not None:  # the model sees what the context-fitted ridge misses
-                    base_c, base_q = view.linear.features(y, dtype=np.float64, ridge=True)
-                    y, shift = y - base_c[:, 0], base_q
-                out = self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y)
-                total[residual] += out.reshape(len(x), -1) + shift  # mean and every quantile move with the baseline
+                for q, view in self._views(m, i, x, classes=False, rt=rt):
+                    y, shift = self.y_[view.rows], np.zeros((len(q), 1))
+                    if residual and view.linear is not None:  # the model sees what the context-fitted ridge misses
+                        base_c, base_q = view.linear.features(y, dtype=np.float64, ridge=True)
+                        y, shift = y - base_c[:, 0], base_q
+                    out = self._predict_target(rt.for_member(m), view, y, None, fn, feature_targets=y)
+                    total[residual][q] += out.reshape(len(q), -1) + shift  # mean and quantiles move with the baseline
                 count[residual] += 1
                 bar.update()
         parts = {k: self._finite(total[k] / count[k], "predictions") for k in total if count[k]}

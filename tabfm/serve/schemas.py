@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from tabfm.estimators.local_context import LOCAL_CONTEXT_ROWS
 from tabfm.estimators.base import (DEFAULT_MAX_COLUMNS, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS,
                                    DEFAULT_N_ESTIMATORS, DEFAULT_N_NEIGHBORS)
 from tabfm.estimators import anomaly
@@ -50,6 +51,8 @@ class SupervisedParams(CommonParams):
     categorical: Literal["ordinal", "identity"] = "ordinal"
     n_neighbors: Union[int, list[int]] = Field(list(DEFAULT_N_NEIGHBORS), description="neighbour feature sizes; 0 = off")
     linear_features: bool = True
+    local_context: int = Field(LOCAL_CONTEXT_ROWS, ge=0, description="rows of the local contexts read by every "
+                               "second pair of members (tables with more training rows only); 0 = off")
 
 
 class ClassifierParams(SupervisedParams):

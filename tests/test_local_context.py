@@ -1,0 +1,123 @@
+"""Local contexts (tabfm.estimators.local_context): the grouping against hand computations, and
+the estimators' local members on tables where the groups are known."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from tabfm import TabFMClassifier, TabFMRegressor
+from tabfm.data.batch import CATEGORICAL, NUMERIC
+from tabfm.estimators.local_context import LocalContexts, relevance, sq_distances
+
+
+def two_blobs(n_per: int = 300, seed: int = 0):
+    """Two far-apart blobs along x0 (which also carries the target), plus a noise column."""
+    rng = np.random.default_rng(seed)
+    x0 = np.concatenate([rng.normal(0, 1, n_per), rng.normal(50, 1, n_per)])
+    noise = rng.normal(0, 1, 2 * n_per)
+    y = (x0 > 25).astype(int) ^ (rng.random(2 * n_per) < 0.1)
+    return np.column_stack([x0, noise]), y
+
+
+def test_relevance_by_hand():
+    rng = np.random.default_rng(0)
+    t = rng.normal(size=500)
+    z = np.column_stack([t + 0.1 * rng.normal(size=500), rng.normal(size=500), np.ones(500)])
+    w = relevance(z, t)
+    corr = abs(np.corrcoef(z[:, 0], t)[0, 1]), abs(np.corrcoef(z[:, 1], t)[0, 1])
+    np.testing.assert_allclose(w[:2], np.array(corr) / corr[0], rtol=1e-9)
+    assert w[2] == 0.0  # a constant column says nothing
+    np.testing.assert_array_equal(relevance(rng.normal(size=(50, 3)), np.ones(50)), np.ones(3))
+
+
+def test_sq_distances_by_hand():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(7, 3)), rng.normal(size=(5, 3))
+    np.testing.assert_allclose(sq_distances(a, b), ((a[:, None] - b[None]) ** 2).sum(-1), atol=1e-10)
+
+
+def test_groups_cover_every_row_once_with_the_nearest_context_rows():
+    x, y = two_blobs()
+    kind, card = np.array([NUMERIC, NUMERIC]), np.array([0, 0])
+    local = LocalContexts.of(x, kind, card, np.eye(2)[y], size=100, seed=0)
+    assert len(local.centers) == 24  # ceil(4 * 600 / 100)
+    z = local._embed(x)
+    for c, rows in enumerate(local.rows):  # each context: the 100 rows nearest its centre, by brute force
+        d = ((z - local.centers[c]) ** 2).sum(1)
+        assert len(rows) == 100 and d[rows].max() <= np.delete(d, rows).min() + 1e-12
+    q = np.random.default_rng(2).normal([[0.0, 0.0]], 1, size=(40, 2)) + np.array([[50.0, 0.0]]) * (np.arange(40) % 2)[:, None]
+    groups = local.groups(q)
+    covered = np.sort(np.concatenate([g for g, _ in groups]))
+    np.testing.assert_array_equal(covered, np.arange(40))
+    zq = local._embed(q)
+    nearest = np.array([((local.centers - v) ** 2).sum(1).argmin() for v in zq])  # brute force
+    for g, rows in groups:  # each group: the queries nearest one centre, with that centre's context
+        (c,) = np.unique(nearest[g])
+        np.testing.assert_array_equal(g, np.flatnonzero(nearest == c))
+        np.testing.assert_array_equal(rows, local.rows[c])
+
+
+def test_ranks_one_hot_and_missing_values():
+    x = np.array([[1.0, 0], [2.0, 1], [np.nan, 2], [4.0, np.nan], [2.0, 0]])
+    kind, card = np.array([NUMERIC, CATEGORICAL]), np.array([0, 3])
+    local = LocalContexts.of(x, kind, card, np.arange(5.0), size=2, seed=0)
+    z = local._embed(x, weighted=False)
+    # ranks among the 4 observed values 1, 2, 2, 4 (mid-ranks of ties), as a standardised uniform; missing: 0
+    rank = np.array([0.5, 2.0, 0.0, 3.5, 2.0]) / 4
+    expect = np.where(np.isnan(x[:, 0]), 0.0, (rank - 0.5) * np.sqrt(12))
+    np.testing.assert_allclose(z[:, 0], expect)
+    hot = np.zeros((5, 3))
+    hot[[0, 1, 2, 4], [0, 1, 2, 0]] = 1 / np.sqrt(2)  # row 3's category is missing: no column set
+    np.testing.assert_allclose(z[:, 1:], hot)
+    assert LocalContexts.of(x, kind, card, np.arange(5.0), size=5, seed=0) is None  # the whole table
+
+
+def test_local_members_read_their_groups_contexts():
+    x, y = two_blobs()
+    est = TabFMClassifier(local_context=200, n_estimators=4).fit(x, y)
+    assert est.local_ is not None and [est._is_local(i) for i in range(4)] == [False, False, True, True]
+    q = np.array([[0.0, 0.0], [50.0, 0.0], [1.0, 1.0]])
+    rt = est._runtime()
+    m = est._members(cover_all=False, n_classes=2)[2]
+    views = est._views(m, 2, q, classes=True, rt=rt)
+    groups = est.local_.groups(q)
+    assert len(views) == len(groups)
+    for (g, view), (g2, rows) in zip(views, groups):  # each group's rows, with its own context rows
+        np.testing.assert_array_equal(g, g2)
+        np.testing.assert_array_equal(view.rows, rows)
+        assert len(view.rows) == 200 and len(view.query) == len(g)
+    assert sorted(np.concatenate([g for g, _ in views]).tolist()) == [0, 1, 2]
+    (g, view), = est._views(m, 0, q, classes=True, rt=rt)  # a global member: one view of every row
+    assert len(view.rows) == len(x) and g.tolist() == [0, 1, 2]
+
+
+def test_small_tables_and_local_context_zero_predict_as_before():
+    x, y = two_blobs(100)
+    a = TabFMClassifier(local_context=512).fit(x, y)  # 200 rows <= 512: no local members
+    b = TabFMClassifier(local_context=0).fit(x, y)
+    assert a.local_ is None and b.local_ is None
+    np.testing.assert_array_equal(a.predict_proba(x[:20]), b.predict_proba(x[:20]))
+
+
+@pytest.mark.parametrize("kind", ["classifier", "regressor"])
+def test_local_members_predict_every_row(kind):
+    x, y = two_blobs(150)
+    frame = pd.DataFrame(x, columns=["a", "b"])
+    if kind == "classifier":
+        est = TabFMClassifier(local_context=100).fit(frame, y)
+        p = est.predict_proba(frame.iloc[:50])
+        assert p.shape == (50, 2) and np.isfinite(p).all()
+        np.testing.assert_allclose(p.sum(1), 1.0)
+        np.testing.assert_array_equal(p, est.predict_proba(frame.iloc[:50]))  # deterministic
+        assert (est.predict(frame) == y).mean() > 0.8
+    else:
+        target = x[:, 0] + np.sin(x[:, 1])
+        est = TabFMRegressor(local_context=100).fit(frame, target)
+        pred = est.predict(frame.iloc[:50])
+        assert pred.shape == (50,) and np.isfinite(pred).all()
+        assert np.corrcoef(pred, target[:50])[0, 1] > 0.9
+
+
+def test_bad_local_context_is_refused():
+    x, y = two_blobs(50)
+    with pytest.raises(ValueError, match="local_context must be an int >= 0"):
+        TabFMClassifier(local_context=-1).fit(x, y)
