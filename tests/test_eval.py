@@ -823,11 +823,13 @@ def test_tabfm_method_versions_follow_weights_and_estimator_parameters(monkeypat
     before = tabfm_methods()["classification"]["tabfm"].version
     assert set(before) == {"tabfm", "params", "code"}
     defaults = TabFMClassifier.__init__.__defaults__
-    assert defaults[-9:] == ("ordinal", "mixed", (5, 20), True, "auto", None, None, 100, "torch")  # categorical,
-    # numeric, n_neighbors, linear_features, multiclass, n_codebooks, alphabet_size, max_classes, backend
-    monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-5] + ("native", None, None, 100, "torch"))
+    assert defaults[-10:] == ("ordinal", "mixed", (5, 20), True, "auto", None, None, 100, 512, "torch")  # categorical,
+    # numeric, n_neighbors, linear_features, multiclass, n_codebooks, alphabet_size, max_classes, local_context, backend
+    monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-6] + ("native", None, None, 100, 512, "torch"))
     after = tabfm_methods()["classification"]["tabfm"].version
     assert after["tabfm"] == before["tabfm"] and after["params"] != before["params"]
+    monkeypatch.setattr(TabFMClassifier.__init__, "__defaults__", defaults[:-2] + (0, "torch"))  # local contexts off
+    assert tabfm_methods()["classification"]["tabfm"].version["params"] not in (before["params"], after["params"])
 
 
 def test_tabfm_methods_use_each_tasks_default_weights_unless_named():
