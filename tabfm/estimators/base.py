@@ -397,7 +397,8 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         """Group the training rows for the local members (None: no local members; module
         tabfm.estimators.local_context). target: (n,) numbers or (n, k) class indicators."""
         size = min(int(self.local_context), int(self.max_context_rows))
-        self.local_: LocalContexts | None = None if size == 0 or self.n_estimators < 2 else LocalContexts.of(
+        # local members are members 2, 3, 6, 7, ... (_is_local): fewer than 3 members have none to group for
+        self.local_: LocalContexts | None = None if size == 0 or self.n_estimators < 3 else LocalContexts.of(
             self.train_x_, self._kind, self._card, target, size, self.ensemble_seed_)
 
     def _is_local(self, i: int) -> bool:
