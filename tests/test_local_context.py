@@ -6,7 +6,8 @@ import pytest
 
 from tabfm import TabFMClassifier, TabFMRegressor
 from tabfm.data.batch import CATEGORICAL, NUMERIC
-from tabfm.estimators.local_context import LocalContexts, relevance, sq_distances
+from tabfm.data.neighbors import design, relevance
+from tabfm.estimators.local_context import LocalContexts, sq_distances
 
 
 def two_blobs(n_per: int = 300, seed: int = 0):
@@ -18,17 +19,6 @@ def two_blobs(n_per: int = 300, seed: int = 0):
     return np.column_stack([x0, noise]), y
 
 
-def test_relevance_by_hand():
-    rng = np.random.default_rng(0)
-    t = rng.normal(size=500)
-    z = np.column_stack([t + 0.1 * rng.normal(size=500), rng.normal(size=500), np.ones(500)])
-    w = relevance(z, t)
-    corr = abs(np.corrcoef(z[:, 0], t)[0, 1]), abs(np.corrcoef(z[:, 1], t)[0, 1])
-    np.testing.assert_allclose(w[:2], np.array(corr) / corr[0], rtol=1e-9)
-    assert w[2] == 0.0  # a constant column says nothing
-    np.testing.assert_array_equal(relevance(rng.normal(size=(50, 3)), np.ones(50)), np.ones(3))
-
-
 def test_sq_distances_by_hand():
     rng = np.random.default_rng(1)
     a, b = rng.normal(size=(7, 3)), rng.normal(size=(5, 3))
@@ -38,9 +28,9 @@ def test_sq_distances_by_hand():
 def test_groups_cover_every_row_once_with_the_nearest_context_rows():
     x, y = two_blobs()
     kind, card = np.array([NUMERIC, NUMERIC]), np.array([0, 0])
-    local = LocalContexts.of(x, kind, card, np.eye(2)[y], size=100, seed=0)
+    local = LocalContexts.of(x, kind, card, y, classes=True, size=100, seed=0)
     assert len(local.centers) == 24  # ceil(4 * 600 / 100)
-    z = local._embed(x)
+    z = local.embed(x)
     for c, rows in enumerate(local.rows):  # each context: the 100 rows nearest its centre, by brute force
         d = ((z - local.centers[c]) ** 2).sum(1)
         assert len(rows) == 100 and d[rows].max() <= np.delete(d, rows).min() + 1e-12
@@ -48,7 +38,7 @@ def test_groups_cover_every_row_once_with_the_nearest_context_rows():
     groups = local.groups(q)
     covered = np.sort(np.concatenate([g for g, _ in groups]))
     np.testing.assert_array_equal(covered, np.arange(40))
-    zq = local._embed(q)
+    zq = local.embed(q)
     nearest = np.array([((local.centers - v) ** 2).sum(1).argmin() for v in zq])  # brute force
     for g, rows in groups:  # each group: the queries nearest one centre, with that centre's context
         (c,) = np.unique(nearest[g])
@@ -56,19 +46,33 @@ def test_groups_cover_every_row_once_with_the_nearest_context_rows():
         np.testing.assert_array_equal(rows, local.rows[c])
 
 
-def test_ranks_one_hot_and_missing_values():
-    x = np.array([[1.0, 0], [2.0, 1], [np.nan, 2], [4.0, np.nan], [2.0, 0]])
+def test_distance_is_the_neighbour_columns_distance():
+    """One notion of near per table: the local contexts' embedding is tabfm.data.neighbors' design,
+    standardised by the training rows and scaled by its relevance, checked by hand here."""
+    x = np.array([[1.0, 0], [2.0, 1], [np.nan, 2], [4.0, np.nan], [2.0, 0], [3.0, 1]])
     kind, card = np.array([NUMERIC, CATEGORICAL]), np.array([0, 3])
-    local = LocalContexts.of(x, kind, card, np.arange(5.0), size=2, seed=0)
-    z = local._embed(x, weighted=False)
-    # ranks among the 4 observed values 1, 2, 2, 4 (mid-ranks of ties), as a standardised uniform; missing: 0
-    rank = np.array([0.5, 2.0, 0.0, 3.5, 2.0]) / 4
-    expect = np.where(np.isnan(x[:, 0]), 0.0, (rank - 0.5) * np.sqrt(12))
-    np.testing.assert_allclose(z[:, 0], expect)
-    hot = np.zeros((5, 3))
-    hot[[0, 1, 2, 4], [0, 1, 2, 0]] = 1 / np.sqrt(2)  # row 3's category is missing: no column set
-    np.testing.assert_allclose(z[:, 1:], hot)
-    assert LocalContexts.of(x, kind, card, np.arange(5.0), size=5, seed=0) is None  # the whole table
+    t = np.array([0.0, 1.0, 2.0, 3.0, 1.0, 2.0])
+    local = LocalContexts.of(x, kind, card, t, classes=False, size=2, seed=0)
+    seen = np.array([1.0, 2.0, 4.0, 2.0, 3.0])
+    num = np.where(np.isnan(x[:, 0]), 0.0, (x[:, 0] - seen.mean()) / seen.std())  # missing: the mean
+    hot = np.zeros((6, 3))
+    hot[[0, 1, 2, 4, 5], [0, 1, 2, 0, 1]] = 1 / np.sqrt(2)  # row 3's category is missing: no column set
+    points = np.column_stack([num, hot])
+    weights = relevance(points, t, classes=False)
+    np.testing.assert_allclose(local.weights, weights)
+    np.testing.assert_allclose(local.embed(x), points * weights)
+    q = np.array([[10.0, 2.0]])  # a query is standardised by the training rows, not by itself
+    np.testing.assert_allclose(local.embed(q), design(x, q, kind, card)[1] * weights)
+    assert local.embed(q)[0, 0] == (10.0 - seen.mean()) / seen.std() * weights[0]
+    assert LocalContexts.of(x, kind, card, t, classes=False, size=6, seed=0) is None  # the whole table
+
+
+def test_noise_columns_do_not_decide_who_is_near():
+    x, y = two_blobs()
+    local = LocalContexts.of(x, np.array([NUMERIC, NUMERIC]), np.array([0, 0]), y, classes=True, size=100, seed=0)
+    assert local.weights[0] > 0.8 and local.weights[1] < 0.2  # x0 carries the class (10 % flipped), x1 is noise
+    for rows in local.rows:  # so every context stays within one blob
+        assert len(np.unique(x[rows, 0] > 25)) == 1
 
 
 def test_local_members_read_their_groups_contexts():

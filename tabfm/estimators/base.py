@@ -393,13 +393,13 @@ class SupervisedTabFMEstimator(TabFMEstimator):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
             raise ValueError(f"local_context must be an int >= 0 (rows; 0 = off), got {v!r}")
 
-    def _fit_local(self, target: np.ndarray) -> None:
+    def _fit_local(self, target: np.ndarray, classes: bool) -> None:
         """Group the training rows for the local members (None: no local members; module
-        tabfm.estimators.local_context). target: (n,) numbers or (n, k) class indicators."""
+        tabfm.estimators.local_context). target: (n,) class labels (classes) or numbers."""
         size = min(int(self.local_context), int(self.max_context_rows))
         # local members are members 2, 3, 6, 7, ... (_is_local): fewer than 3 members have none to group for
         self.local_: LocalContexts | None = None if size == 0 or self.n_estimators < 3 else LocalContexts.of(
-            self.train_x_, self._kind, self._card, target, size, self.ensemble_seed_)
+            self.train_x_, self._kind, self._card, target, classes, size, self.ensemble_seed_)
 
     def _is_local(self, i: int) -> bool:
         """Member i reads local contexts: every second pair of members (0, 1 global; 2, 3 local; ...),

@@ -206,7 +206,7 @@ class TabFMClassifier(ClassifierMixin, SupervisedTabFMEstimator):
             raise ValueError(f"y has {n} distinct numeric values, more than max_classes={self.max_classes}: it looks like "
                              "a quantity to regress (TabFMRegressor, tabfm predict --task regression); to classify it "
                              f"anyway pass max_classes >= {n}")
-        self._fit_local(np.eye(n)[self.y_])
+        self._fit_local(self.y_, classes=True)
         if n == 1:
             warnings.warn(f"y has a single class {self.classes_[0]!r}: every prediction will be that class "
                           "with probability 1", UserWarning, stacklevel=2)

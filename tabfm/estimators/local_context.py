@@ -7,10 +7,9 @@ read (retrieval of the context, as LoCalPFN does for TabPFN). Query rows are gro
 nearest of M centres (k-means on the training rows, fitted once at fit) so a group shares one
 context: the `size` training rows nearest to its centre.
 
-Distances are measured in a space where each column counts as much as it tells about the
-target: numeric columns as standardised ranks, categorical ones one-hot; every column scaled by
-its correlation with the target (class indicators, or the target's ranks) on the training rows,
-so a noise column does not decide who is near.
+"Near" is the distance of the neighbour columns (tabfm.data.neighbors: `design` and
+`relevance`, standardised numbers and one-hot categories, each coordinate scaled by how much it
+tells about the target), so one table has one notion of nearness for every use.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import numpy as np
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 
-from tabfm.data.batch import CATEGORICAL
+from tabfm.data.neighbors import design, relevance
 
 LOCAL_CONTEXT_ROWS = 512  # the default size of a local context (BENCHMARKS.md "Local contexts")
 CLUSTERS_PER_CONTEXT = 4  # centres per `size` training rows: groups overlap, every query near its centre
@@ -31,78 +30,46 @@ MAX_CLUSTERS = 32  # bounds the passes: each group is one pass over its own cont
 
 @dataclass
 class LocalContexts:
-    """The fitted grouping: the embedding of rows, the centres and each centre's context rows."""
+    """The fitted grouping: the training rows that define the distance, the centres and each
+    centre's context rows."""
 
-    numeric: np.ndarray  # encoded column indices read as ranks
-    sorted_values: list[np.ndarray]  # each numeric column's training values, sorted (for ranks)
-    categorical: np.ndarray  # encoded column indices read one-hot
-    cardinality: np.ndarray  # their code counts
-    weights: np.ndarray  # (d,) scale of each embedding column
+    train: np.ndarray  # the encoded training rows (design standardises queries by them)
+    kind: np.ndarray
+    cardinality: np.ndarray
+    weights: np.ndarray  # (d,) relevance of each design coordinate
     centers: np.ndarray  # (M, d)
     rows: list[np.ndarray]  # the training rows of each centre's context
 
     @classmethod
-    def of(cls, x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, target: np.ndarray, size: int,
-           seed: int) -> "LocalContexts | None":
-        """Fitted on the encoded training rows `x` and `target` ((n,) numbers or (n, k) class
-        indicators); None when the table has no more than `size` rows (a local context would be all
-        of it)."""
+    def of(cls, x: np.ndarray, kind: np.ndarray, cardinality: np.ndarray, target: np.ndarray, classes: bool,
+           size: int, seed: int) -> "LocalContexts | None":
+        """Fitted on the encoded training rows `x` and their `target` (class labels when `classes`,
+        else numbers); None when the table has no more than `size` rows (a local context would be
+        all of it)."""
         n = len(x)
         if n <= size:
             return None
-        num = np.flatnonzero(kind != CATEGORICAL)
-        cat = np.flatnonzero(kind == CATEGORICAL)
-        sorted_values = [np.sort(v[np.isfinite(v)]) for v in x[:, num].T]
-        local = cls(num, sorted_values, cat, cardinality[cat].astype(np.int64), np.ones(0), np.zeros((0, 0)), [])
-        z = local._embed(x, weighted=False)
-        local.weights = relevance(z, target)
-        z = z * local.weights
+        points, _ = design(x, x[:0], kind, cardinality)
+        weights = relevance(points, np.asarray(target), classes)
+        z = points * weights
         m = min(MAX_CLUSTERS, math.ceil(CLUSTERS_PER_CONTEXT * n / size), n)
         with warnings.catch_warnings():  # fewer distinct rows than centres: some centres coincide, harmless
             warnings.simplefilter("ignore", ConvergenceWarning)
             km = KMeans(n_clusters=m, n_init=3, random_state=seed % 2**31).fit(z)
-        local.centers = km.cluster_centers_
-        dist = sq_distances(local.centers, z)  # (M, n)
-        local.rows = [np.sort(np.argsort(d, kind="stable")[:size]) for d in dist]
-        return local
+        dist = sq_distances(km.cluster_centers_, z)  # (M, n)
+        rows = [np.sort(np.argsort(d, kind="stable")[:size]) for d in dist]
+        return cls(x, kind, cardinality, weights, km.cluster_centers_, rows)
 
-    def _embed(self, x: np.ndarray, weighted: bool = True) -> np.ndarray:
-        parts = []
-        for j, values in zip(self.numeric, self.sorted_values):
-            col = x[:, j]
-            if len(values) == 0:
-                parts.append(np.zeros((len(x), 1)))
-                continue
-            # rank in (0, 1), mid-rank of ties; standardised as a uniform (missing: the middle)
-            rank = (np.searchsorted(values, col, "left") + np.searchsorted(values, col, "right")) / (2 * len(values))
-            parts.append(np.where(np.isfinite(col), (rank - 0.5) * math.sqrt(12), 0.0)[:, None])
-        for j, k in zip(self.categorical, self.cardinality):
-            codes = x[:, j]
-            hot = np.zeros((len(x), max(int(k), 1)))
-            ok = np.isfinite(codes) & (codes >= 0) & (codes < k)
-            hot[np.flatnonzero(ok), codes[ok].astype(np.int64)] = 1.0 / math.sqrt(2)
-            parts.append(hot)
-        z = np.hstack(parts) if parts else np.zeros((len(x), 0))
-        return z * self.weights if weighted else z
+    def embed(self, x: np.ndarray) -> np.ndarray:
+        """Rows of `x` as weighted design points of the training rows' space."""
+        return design(self.train, x, self.kind, self.cardinality)[1] * self.weights
 
     def groups(self, x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """(query row indices, context training rows) for each centre nearest to some row of `x`."""
-        z = self._embed(x)
-        nearest = sq_distances(z, self.centers).argmin(1)
+        nearest = sq_distances(self.embed(x), self.centers).argmin(1)
         return [(np.flatnonzero(nearest == c), self.rows[c]) for c in np.unique(nearest)]
 
 
 def sq_distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(len(a), len(b)) squared Euclidean distances, without an (len(a), len(b), d) array."""
     return np.maximum((a ** 2).sum(1)[:, None] - 2.0 * a @ b.T + (b ** 2).sum(1)[None, :], 0.0)
-
-
-def relevance(z: np.ndarray, target: np.ndarray) -> np.ndarray:
-    """(d,) each embedding column's absolute correlation with the target, root-sum-squared over
-    its columns (class indicators), scaled to a maximum of 1; all ones when none correlates."""
-    t = target.reshape(len(target), -1).astype(np.float64)
-    zc, tc = z - z.mean(0), t - t.mean(0)
-    zs, ts = zc.std(0), tc.std(0)
-    corr = (zc.T @ tc) / len(z) / np.outer(np.where(zs > 0, zs, np.inf), np.where(ts > 0, ts, np.inf))
-    w = np.sqrt((corr ** 2).sum(1))
-    return w / w.max() if w.max() > 0 else np.ones(z.shape[1])

@@ -98,7 +98,7 @@ class TabFMRegressor(RegressorMixin, SupervisedTabFMEstimator):
         if np.abs(values).max() > F32_MAX:
             raise ValueError(f"y holds {values[np.argmax(np.abs(values))]!r}, beyond the float32 range the model reads")
         self.y_ = values
-        self._fit_local(values)
+        self._fit_local(values, classes=False)
         return self
 
     def predict(self, X: Any, output: str = "mean") -> np.ndarray:
