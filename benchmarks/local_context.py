@@ -73,10 +73,10 @@ def main() -> None:
                     warnings.simplefilter("ignore", UserWarning)
                     est = TabFMClassifier(local_context=lc).fit(X.iloc[tr], y[tr])
                     p = est.predict_proba(X.iloc[te])
+                res[k]["s"] += time.perf_counter() - t
                 if est.local_ is not None:
                     w = est.local_.weights
                     spread.append(float(w.sum() ** 2 / (w ** 2).sum()))
-                res[k]["s"] += time.perf_counter() - t
                 auc, ll = scores(y[te], p)
                 res[k]["auc"].append(auc)
                 res[k]["ll"].append(ll)
