@@ -139,6 +139,14 @@ class StreamConfig:
                                      "classification": 0.45, "regression": 0.2, "imputation": 0.35,
                                      "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0),
                                      "residual_targets": 0.5},
+        # pretrain-residual-impute on tables whose answer changes by region: twice the decision-tree nodes
+        # (piecewise answers split on a few columns) and three times the clustered (prototype-mixture) rows,
+        # the tables where the estimators' local contexts gain over one global context
+        "pretrain-regions": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.5,
+                                                            p_nominal_classes=0.5, p_tree_node=0.4, p_non_iid=0.3),
+                             "classification": 0.45, "regression": 0.2, "imputation": 0.35,
+                             "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0),
+                             "residual_targets": 0.5},
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),
