@@ -20,6 +20,10 @@ shuffled 5-fold, seed 0), `TabFMRegressor` and `regression_metrics` (R^2, RMSE),
                  step), every parameter trained, a fixed wall budget --minutes per run
     lora-R       the same with low-rank adapters of rank R (merged into the export)
 
+--folds 1,5 runs every fine-tuned variant once per value of FinetuneConfig.folds (K >= 2: named
+...-k5; K fold runs, each --minutes long, the step chosen on all training rows pooled and the K
+runs' weights averaged at it, `tabfm finetune --folds K`).
+
 --significance 0,2 runs every fine-tuned variant once per value of FinetuneConfig.significance
 (named full-z0, full-z2, ...): the same training, a different rule for which evaluated step is
 exported (any lower held-out score, or one lower by more than Z paired standard errors).
@@ -161,9 +165,11 @@ def run(args) -> dict:
     init_features = load_model(args.init).config.context_features
     params = HoldoutEval.params_for(base_cfg, init_features)  # what fine-tuning scores and exports with
     zs = [float(z) for z in args.significance.split(",")] if args.significance else [base_cfg.significance]
-    # variant -> (LoRA rank or None, significance of the step selection); "-zZ" only when several are compared
-    spec = {(f"{name}-z{z:g}" if len(zs) > 1 else name): (rank, z)
-            for rank, name in [(None, "full")] + [(r, f"lora-{r}") for r in ranks] for z in zs}
+    folds = [int(k) for k in args.folds.split(",")]
+    # variant -> (LoRA rank or None, significance of the step selection, folds); "-zZ" only when several
+    # significances are compared, "-kK" for K-fold cross-fitting
+    spec = {(f"{name}-z{z:g}" if len(zs) > 1 else name) + (f"-k{k}" if k > 1 else ""): (rank, z, k)
+            for rank, name in [(None, "full")] + [(r, f"lora-{r}") for r in ranks] for z in zs for k in folds}
     variants = ["in-context", *spec]
     print(f"init {args.init} (context features {init_features}); estimator parameters {params}", flush=True)
     print(f"tables {tables}; forgetting tables {forgetting}; variants {variants}; budget {args.minutes} min per run",
@@ -191,9 +197,10 @@ def run(args) -> dict:
         print(f"  in-context: {_line(s, task)} ({s['seconds']:.0f} s)", flush=True)
         train_frame = ds.frame.iloc[tr].reset_index(drop=True)  # features + target, train rows only
         for variant in variants[1:]:
-            rank, z = spec[variant]
+            rank, z, k = spec[variant]
             lr = args.lr if rank is None or args.lora_lr is None else args.lora_lr
-            cfg = base_cfg.replace(target=ds.target, lora_rank=rank, lora_alpha=None, lr=lr, significance=z)
+            cfg = base_cfg.replace(target=ds.target, lora_rank=rank, lora_alpha=None, lr=lr, significance=z,
+                                   folds=k, max_minutes=args.minutes * k)  # each fold run: one run's budget
             out = Path(args.work) / f"seed{args.seed}" / name / variant
             t0 = time.perf_counter()
             with warnings.catch_warnings():
@@ -213,7 +220,7 @@ def run(args) -> dict:
                 fs = score(str(export), recorded["estimator_params"], splits[f], task)
                 forget[f] = {"metric": primary, "value": fs[primary], "init_value": init_forget[f][primary],
                              "delta": fs[primary] - init_forget[f][primary], "seconds": fs["seconds"]}
-            cost = {"lr": lr, "significance": z, "wall_s": ft_wall, "finetune_wall_s": res.wall_s, "steps": res.step, "stopped": res.stopped,
+            cost = {"lr": lr, "significance": z, "folds": k, "wall_s": ft_wall, "finetune_wall_s": res.wall_s, "steps": res.step, "stopped": res.stopped,
                     "best_step": res.best_step, **trainable_parameters(args.init, rank, None),
                     "holdout_before": res.initial.get("score"), "holdout_best": res.best.get("score"),
                     "export_step": recorded.get("step")}
@@ -311,6 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--significance", default=None,
                     help="comma list of FinetuneConfig.significance values (paired standard errors an evaluation "
                          "must beat the best by to be exported); several: one variant each (default: the config's)")
+    ap.add_argument("--folds", default="1",
+                    help="comma list of FinetuneConfig.folds values: 1 is one run with a 20%% holdout; K >= 2 the "
+                         "K-fold cross-fitted variant (named ...-kK), each of its K fold runs --minutes long")
     ap.add_argument("--lora-ranks", default="8", help="comma list of LoRA ranks ('' for none); the issue: 4,8,16")
     ap.add_argument("--init", default="tabfm-tiny-cf", help="starting weights (shipped name or export directory)")
     ap.add_argument("--seed", type=int, default=0, help="fine-tuning seed (its holdout split, episodes) and the "

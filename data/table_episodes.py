@@ -90,6 +90,34 @@ def holdout_split(n_rows: int, fraction: float, seed: int, strata: np.ndarray | 
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
+def fold_split(n_rows: int, folds: int, fold: int, seed: int, strata: np.ndarray | None = None, stream: int = 0
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(training rows, held-out rows) of fold `fold` of a `folds`-fold split, sorted: the folds'
+    held-out rows partition the rows, so scores pooled over the folds cover every row once.
+
+    Rows are dealt round-robin in a seeded order; with `strata` (class codes) class by class, so
+    each fold holds about 1/folds of every class. A class with a single row is never held out
+    (it stays in training in every fold, as in `holdout_split`); a class of 2..folds-1 rows gives at
+    most one row to each fold, so every held-out class was seen in training."""
+    if not (isinstance(folds, int) and folds >= 2 and isinstance(fold, int) and 0 <= fold < folds):
+        raise ValueError(f"fold {fold!r} of {folds!r} folds: need folds >= 2 and 0 <= fold < folds")
+    if n_rows < folds:
+        raise ValueError(f"{n_rows} rows are too few for {folds} folds (each fold holds out at least one row)")
+    rng = _rng(seed, _SPLIT, stream)
+    assign = np.full(n_rows, -1, dtype=np.int64)
+    if strata is None:
+        assign[rng.permutation(n_rows)] = np.arange(n_rows) % folds
+    else:
+        strata = np.asarray(strata)
+        dealt = 0  # the deal runs on across classes, so fold sizes differ by at most one row per class
+        for label in np.unique(strata):
+            members = rng.permutation(np.flatnonzero(strata == label))
+            if len(members) >= 2:
+                assign[members] = (dealt + np.arange(len(members))) % folds
+                dealt += len(members)
+    return np.flatnonzero(assign != fold), np.flatnonzero(assign == fold)
+
+
 # --------------------------------------------------------------------------- one table
 
 @dataclass

@@ -527,10 +527,10 @@ def _lora_cfg(init: str, csv: str, layout: str, steps: int = 4) -> FinetuneConfi
                  min_rows=64, max_rows=64, **LORA_LAYOUTS[layout])
 
 
-def _lora_finetune(rank: int, world: int, out: str, init: str, csv: str, layout: str) -> dict:
+def _lora_finetune(rank: int, world: int, out: str, init: str, csv: str, layout: str, folds: int = 1) -> dict:
     from tabfm.train.pretrain import build_plugin
 
-    cfg = _lora_cfg(init, csv, layout)
+    cfg = _lora_cfg(init, csv, layout).replace(folds=folds)
     result = finetune(cfg, out, plugin=build_plugin(cfg), progress=False)
     return {"step": result.step, "best": result.best, "best_step": result.best_step}
 
@@ -544,6 +544,8 @@ def _two_rank_runs(rank: int, world: int, root: str, init: str, csv: str) -> dic
     for layout in LORA_DISTRIBUTED:
         runs[f"lora-{layout}"] = (lambda layout=layout:
                                   _lora_finetune(rank, world, str(Path(root) / f"lora-{layout}"), init, csv, layout))
+    runs["lora-folds-hybrid-tp2"] = lambda: _lora_finetune(rank, world, str(Path(root) / "lora-folds-hybrid-tp2"),
+                                                           init, csv, "hybrid-tp2", folds=2)
     out = {}
     for name, run in runs.items():
         try:
@@ -617,3 +619,21 @@ def test_lora_under_every_plugin_matches_its_reference_and_resumes_in_one_proces
         assert again.step == 6 and again.train.step == 6
         resume = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "resume"]
         assert [(r["step"], r["checkpoint_world_size"], r["world_size"]) for r in resume] == [(4, 2, 1)], name
+
+
+@pytest.mark.slow
+def test_a_kfold_lora_run_under_tensor_parallel_matches_one_process(two_rank_runs, tmp_path, random_export, table_csv):
+    """`--folds 2` on two tp ranks: each fold run as one process trains it, the same pooled choice, and the
+    averaged export (gathered, merged) within fp32 tolerance of one process's."""
+    out, ranks = _ranks(two_rank_runs, "lora-folds-hybrid-tp2")
+    single = finetune(_lora_cfg(random_export, table_csv, "single").replace(folds=2), tmp_path / "single",
+                      progress=False)
+    assert [r["best_step"] for r in ranks] == [single.best_step] * 2 and ranks[0]["best"] == ranks[1]["best"]
+    summary = json.loads((out / "finetune_summary.json").read_text())
+    assert [r["step"] for r in summary["pooled"]] == [r["step"] for r in single.summary["pooled"]] == [0, 2, 4]
+    for got, want in zip(summary["pooled"], single.summary["pooled"]):
+        assert got["score"] == pytest.approx(want["score"], rel=1e-4, abs=1e-6)
+    exported, reference = weights(out / "export"), weights(single.export)
+    assert exported.keys() == reference.keys() and not any("lora" in k for k in exported)
+    for k, v in reference.items():
+        assert torch.allclose(exported[k], v, atol=1e-5, rtol=1e-4), k

@@ -3,7 +3,7 @@
     tabfm finetune --data PATH --target COL --out DIR [--task classification|regression]
                    [--init tabfm-tiny-cf | EXPORT_DIR] [--steps N] [--max-minutes M] [--lr LR]
                    [--replay FRACTION [--replay-data PATH ...] [--replay-stream PRESET|none]]
-                   [--holdout FRACTION] [--holdout-tables K] [--plugin single|ddp|zero|fsdp|hybrid]
+                   [--holdout FRACTION | --folds K] [--holdout-tables K] [--plugin single|ddp|zero|fsdp|hybrid]
                    [--lora-rank R [--lora-alpha A] [--lora-targets PATTERNS]]
 
 PATH is a CSV, a Parquet file, a directory of them, or a table store. A share of each table's
@@ -12,6 +12,9 @@ episodes of the other rows and is scored in context on the held-out rows before 
 every --eval-every steps. The best weights go to DIR/export (load them with
 TabFMClassifier(model="DIR/export")); a before/after table is printed and written to
 DIR/finetune_summary.json. Rerunning the same command resumes from DIR/checkpoints.
+--folds K cross-fits instead: K runs, each holding out another K-th of the rows; the held-out
+losses of all rows together choose the step (and whether any beats the starting weights), and
+DIR/export averages the K runs' weights at that step.
 --holdout-tables K keeps K whole tables of a store / directory out of training and scores them
 the same way (holdout_tables/... in the metrics and the summary). --replay F replays a share F
 of the batches against forgetting: from the synthetic prior, or with --replay-data OLD (repeat
@@ -38,7 +41,7 @@ _FIELDS = {
     "eval_every": int, "patience": int, "ckpt_every": int, "keep_last": int, "log_every": int, "device": str,
     "min_rows": int, "max_rows": int, "cells_per_batch": int, "imputation": float, "categorical": str,
     "eval_estimators": int, "eval_rows": int, "replay_stream": str, "lora_rank": int, "lora_alpha": float,
-    "report": str, "holdout_tables": int, "significance": float,
+    "report": str, "holdout_tables": int, "significance": float, "folds": int,
 }
 _CHOICES = {"optimizer": OPTIMIZERS, "precision": PRECISIONS, "categorical": ("ordinal", "identity"),
             "replay_stream": (*STREAM_PRESETS, "none")}
@@ -55,6 +58,10 @@ _HELP = {
                       "chosen from --seed; at least one table must remain). They are scored in context on their "
                       "own held-out rows before and during fine-tuning, reported as holdout_tables/..., and never "
                       "used for early stopping (default 0)",
+    "folds": "K >= 2: K-fold cross-fitted fine-tuning: K runs (OUT/fold-k), each holding out one fold of every "
+             "table's rows for max-minutes / K; the step is chosen on all rows pooled (a stronger --significance "
+             "test than one held-out share) and the export averages the K runs' weights at it (default 1: one run, "
+             "--holdout held out)",
     "threads": "torch intra-op threads (default: torch's; 1 is fastest on a busy 2-core machine)",
     "seed": "seed of the held-out split and tables, the episodes, the replay draw and the evaluation (default 0)",
     "optimizer": "adamw (default) or muon",

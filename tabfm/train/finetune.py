@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 import zlib
@@ -43,7 +44,7 @@ from tabfm.data.encode import encode_frame
 from tabfm.data.readers import read_tables
 from tabfm.data.table_episodes import (
     CATEGORICAL_MODES, CLASSIFICATION, IMPUTATION, PREDICTION_TASKS, EpisodeConfig, EpisodeInfo, EpisodeTable,
-    TableEpisodeSampler, holdout_split, infer_task,
+    TableEpisodeSampler, fold_split, holdout_split, infer_task,
 )
 from tabfm.parallel import Booster, Plugin, latest_checkpoint
 from tabfm.parallel.launch import barrier
@@ -58,10 +59,11 @@ from tabfm.train.trainer import Trainer, TrainResult
 from tabfm.weights import DEFAULT_MODEL
 
 SUMMARY_FILE = "finetune_summary.json"
+FOLD_STEPS, FOLD_LOSSES = "steps", "holdout_losses.jsonl"  # a fold run's evaluated weights and per-row losses
 HOLDOUT_FILE = "holdout_rows.json"
-RUN_KEYS = ("target", "task", "init", "seed", "holdout", "holdout_tables", "optimizer", "categorical",
+RUN_KEYS = ("target", "task", "init", "seed", "holdout", "holdout_tables", "folds", "fold", "optimizer", "categorical",
             "lora")  # must match to resume
-_RUN_DEFAULTS = {"holdout_tables": 0}  # what a record written before a key existed meant by it
+_RUN_DEFAULTS = {"holdout_tables": 0, "folds": 1, "fold": None}  # what a record written before a key existed meant by it
 _REPLAY = 3  # spawn-key domain of the per-position replay draw
 _HOLDOUT_TABLES = 4  # spawn-key domain of the choice of held-out tables
 NO_STREAM = "none"  # replay_stream: no synthetic replay
@@ -82,6 +84,12 @@ class FinetuneConfig:
     steps          optimizer steps of the whole run (and of the cosine schedule); max_minutes: this invocation
     holdout        share of each table's rows held out for evaluation (stratified for classification);
                    they never enter a training episode
+    folds          K >= 2: cross-fitted fine-tuning: K runs (OUT/fold-k), fold k's rows held out in run k (a
+                   stratified K-fold split: `holdout` is then 1/K), each for max_minutes / K; the held-out rows'
+                   losses pooled over the folds (every row scored once) pick the step, tested as `significance`
+                   says on all the rows instead of a fifth, and OUT/export is the average of the K runs'
+                   weights at that step (or the starting weights). 1: one run, `holdout` held out
+    fold           set by the K-fold run for each of its runs: the fold held out (None: not a fold run)
     holdout_tables K >= 1: K whole tables of `data` (chosen from the seed) are never trained on; they are
                    scored in context on their own held-out rows (`holdout_tables/...`), not for early stopping
     replay         share of batches replayed against forgetting (drawn per position from the seed, the same
@@ -131,6 +139,8 @@ class FinetuneConfig:
     seed: int = 0
     holdout: float = 0.2
     holdout_tables: int = 0
+    folds: int = 1
+    fold: int | None = None
     replay: float = 0.0
     replay_stream: str | None = None
     replay_data: tuple[str, ...] | None = None
@@ -235,6 +245,12 @@ class FinetuneConfig:
         for name in ("steps", "grad_accum", "log_every", "eval_every", "ckpt_every", "keep_last", "eval_estimators",
                      "eval_rows", "eval_context_rows"):
             need(integer(getattr(self, name)) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        need(integer(self.folds) and self.folds >= 1, "folds", "must be an integer >= 1 (1: one held-out share; "
+             "K >= 2: K-fold cross-fitting)")
+        need(self.fold is None or (integer(self.fold) and self.folds >= 2 and 0 <= self.fold < self.folds), "fold",
+             f"must be None or an integer in [0, folds) with folds >= 2 (folds = {self.folds!r})")
+        need(self.folds == 1 or self.holdout_tables == 0, "folds",
+             "K-fold fine-tuning holds out rows of every table; with holdout_tables (--holdout-tables) use folds = 1")
         for name in ("warmup_steps", "seed", "patience", "holdout_tables"):
             need(integer(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         need(self.task is None or self.task in PREDICTION_TASKS, "task", f"must be one of {PREDICTION_TASKS} or None")
@@ -358,9 +374,17 @@ def _prepare(t: Any, cfg: FinetuneConfig) -> FinetuneTable:
         if not np.isfinite(values).all() or np.abs(values).max() > np.finfo(np.float32).max:
             raise ValueError(f"{t.source}: regression target {t.target!r} holds infinite or huge values")
 
-    train_i, hold_i = holdout_split(len(known), cfg.holdout, cfg.seed, strata, stream=zlib.crc32(t.name.encode()))
+    stream = zlib.crc32(t.name.encode())
+    if cfg.fold is not None:
+        if len(known) < 2 * cfg.folds:
+            raise ValueError(f"{t.source}: {len(known)} rows with a target are too few for {cfg.folds} folds "
+                             f"(--folds): at least {2 * cfg.folds} are needed")
+        train_i, hold_i = fold_split(len(known), cfg.folds, cfg.fold, cfg.seed, strata, stream=stream)
+    else:
+        train_i, hold_i = holdout_split(len(known), cfg.holdout, cfg.seed, strata, stream=stream)
     if len(train_i) < 2 or len(hold_i) < 1:
-        raise ValueError(f"{t.source}: {len(known)} rows with a target are too few to hold out {cfg.holdout:.0%} "
+        share = f"fold {cfg.fold} of {cfg.folds}" if cfg.fold is not None else f"{cfg.holdout:.0%}"
+        raise ValueError(f"{t.source}: {len(known)} rows with a target are too few to hold out {share} "
                          "of them and train on the rest")
     eval_i = hold_i
     if len(hold_i) > cfg.eval_rows:
@@ -937,7 +961,10 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     `tabfm.data.readers.read_tables` reads). `plugin` defaults to `build_plugin(cfg)`. `restart`
     removes out_dir's checkpoints and logs first. `progress` prints status messages and the training
     log; `bar` draws the progress bar (None: with `progress`, when stderr is a terminal; see Trainer).
-    Under torchrun call this on every rank."""
+    Under torchrun call this on every rank. With `cfg.folds` K >= 2 it runs the K fold runs and
+    exports their pooled choice (`finetune_folds`)."""
+    if cfg.folds > 1 and cfg.fold is None:
+        return finetune_folds(cfg, out_dir, data=data, plugin=plugin, progress=progress, restart=restart, bar=bar)
     start = time.perf_counter()
     out = Path(out_dir)
     source = data if data is not None else cfg.data
@@ -956,7 +983,12 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     record = _run_record(cfg, source, tables, preset, held_out, replay_tables)
     if restart:
         if main:
-            for p in start_over(out):
+            removed = start_over(out)
+            for p in (out / FOLD_STEPS, out / FOLD_LOSSES) if cfg.fold is not None else ():  # a fold run's records
+                if p.exists():
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+                    removed.append(p)
+            for p in removed:
                 print(f"--restart: removed {p}", flush=True)
     else:
         _check_same_run(out, record)  # every rank reads the old train_config.json ...
@@ -1022,6 +1054,8 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
 
     def evaluate(module: nn.Module) -> dict[str, float]:
         metrics = holdout(module)
+        if cfg.fold is not None:  # a fold run keeps every evaluated step: the pooled choice comes after all folds
+            keep_step(trainer.step, metrics)
         return {**metrics, **keeper.update(metrics, holdout.rows)}
 
     evaluators: dict[str, Callable[[nn.Module], dict[str, float]]] = {"holdout": evaluate}
@@ -1049,6 +1083,21 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         merge = None if lora is None else (lambda state: merge_adapters(state, lora.scale))
         booster.export(trainer.model, out / "export", export_config(model_cfg, record, preset=preset, finetune=info),
                        transform=merge)
+
+    def keep_step(step: int, metrics: dict[str, float]) -> None:
+        """A fold run's record of one evaluation: the weights (OUT/steps/step_N, an export) and the
+        held-out rows' per-row losses (a line of OUT/holdout_losses.jsonl)."""
+        info = {"step": step, "holdout": {k: _finite(v) for k, v in metrics.items()}, "init": cfg.init,
+                "lora": record["lora"], "estimator_params": dict(holdout.estimator_params)}
+        merge = None if lora is None else (lambda state: merge_adapters(state, lora.scale))
+        snapshot = out / FOLD_STEPS / f"step_{step}"  # replaced when a resumed run evaluates the step again
+        booster.export(trainer.model, snapshot, export_config(model_cfg, record, preset=preset, finetune=info),
+                       transform=merge)
+        if main:
+            line = {"step": step, "metrics": {k: _finite(v) for k, v in metrics.items()},
+                    "rows": {k: v.tolist() for k, v in holdout.rows.items()}}
+            with open(out / FOLD_LOSSES, "a") as f:
+                f.write(json.dumps(line) + "\n")
 
     keeper.bind(trainer, export)
     if trainer.resume():
@@ -1097,6 +1146,145 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
     return result
 
 
+# --------------------------------------------------------------------------- K-fold cross-fitting
+
+def read_fold_losses(run: Path) -> dict[int, dict[str, np.ndarray]]:
+    """A fold run's per-row held-out losses by evaluated step (a step evaluated twice, as a resumed
+    run does, keeps its last line)."""
+    steps: dict[int, dict[str, np.ndarray]] = {}
+    with open(run / FOLD_LOSSES) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                steps[int(rec["step"])] = {k: np.asarray(v, dtype=np.float64) for k, v in rec["rows"].items()}
+    return steps
+
+
+def pool_folds(histories: list[dict[int, dict[str, np.ndarray]]], tasks: dict[str, str], significance: float,
+               min_delta: float) -> dict[str, Any]:
+    """The K fold runs' held-out losses pooled per evaluated step (the steps every fold reached): each
+    table's rows of all folds together, so every row is scored once. Per step the metrics HoldoutEval
+    reports ("TABLE/logloss", or "TABLE/nrmse" = sqrt of the mean scaled squared error; "score" their
+    mean over tables) and z, the paired test of `paired_z` against step 0 on all the rows. The chosen
+    step is BestKeeper's rule on the pooled rows: the lowest score that beats step 0's by more than
+    min_delta and, with significance > 0, by more than `significance` standard errors; else 0."""
+    common = sorted(set.intersection(*(set(h) for h in histories)))
+    if not common or common[0] != 0:
+        raise ValueError("the fold runs share no evaluation of the starting weights (step 0)")
+    pooled_steps = []
+    for step in common:
+        rows = {t: np.concatenate([h[step][t] for h in histories]) for t in histories[0][step]}
+        metrics = {}
+        for t, r in rows.items():
+            metrics[f"{t}/logloss" if tasks[t] == CLASSIFICATION else f"{t}/nrmse"] = (
+                float(r.mean()) if tasks[t] == CLASSIFICATION else float(np.sqrt(r.mean())))
+        metrics["score"] = float(np.mean(list(metrics.values())))
+        pooled_steps.append((step, rows, metrics))
+    start_rows, best = pooled_steps[0][1], 0
+    best_score = pooled_steps[0][2]["score"]
+    table = []
+    for step, rows, metrics in pooled_steps:
+        z = paired_z(start_rows, rows) if step else math.nan
+        passed = step > 0 and metrics["score"] < best_score - min_delta and (significance == 0 or z > significance)
+        if passed:
+            best, best_score = step, metrics["score"]
+        table.append({"step": step, "z_vs_start": _finite(z), "rows": int(sum(len(r) for r in rows.values())),
+                      **{k: _finite(v) for k, v in metrics.items()}})
+    return {"steps": table, "best_step": best}
+
+
+def average_exports(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The element-wise mean of several exports' weights (float64 sums, stored in each tensor's dtype)
+    and the first one's config: runs from one init, averaged, as one ordinary export."""
+    from tabfm.parallel.export import load_exported
+
+    state, config = load_exported(paths[0])
+    if len(paths) == 1:
+        return state, config
+    sums = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
+    for p in paths[1:]:
+        other, _ = load_exported(p)
+        if other.keys() != state.keys():
+            raise ValueError(f"{p}: its weights do not match {paths[0]}'s; the fold runs must share one model")
+        for k, v in other.items():
+            if v.is_floating_point():
+                sums[k] += v.double()
+    return {k: (v / len(paths)).to(state[k].dtype) if state[k].is_floating_point() else v
+            for k, v in sums.items()}, config
+
+
+def _check_finished_fold(cfg: FinetuneConfig, run: Path, source: Any) -> None:
+    """Refuse a finished fold run that read other data or used other settings (`_check_same_run`),
+    as its resume would: a finished fold is kept, not run again."""
+    tables, held_out = split_tables(load_tables(source, cfg), cfg, _describe(source, cfg))
+    record = _run_record(cfg, source, tables, _init_model(cfg.init)[1], held_out, load_replay_tables(cfg))
+    _check_same_run(run, record)
+
+
+def finetune_folds(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin: Plugin | None = None,
+                   progress: bool = True, restart: bool = False, bar: bool | None = None) -> FinetuneResult:
+    """K-fold cross-fitted fine-tuning (`cfg.folds` = K >= 2): K runs, OUT/fold-k holding out fold k of
+    each table (`fold_split`), each for max_minutes / K, with no early stop and every evaluation kept;
+    then `pool_folds` picks one step on every row, and OUT/export is the average of the K runs' weights
+    at that step (each row trained on by K - 1 of them), or the starting weights when no step passes.
+    A fold run with a summary is finished and is not run again; a killed one resumes where it stopped."""
+    from tabfm.parallel.export import export_model
+    from tabfm.weights import build_model
+
+    start = time.perf_counter()
+    out = Path(out_dir)
+    plug = plugin if plugin is not None else build_plugin(cfg)
+    main = plug.is_main_process
+    talk = main and progress
+    k_folds = cfg.folds
+    per_fold = cfg.replace(patience=0, significance=0.0, report=None,
+                           max_minutes=None if cfg.max_minutes is None else cfg.max_minutes / k_folds)
+    runs, summaries = [out / f"fold-{k}" for k in range(k_folds)], []
+    for k, run in enumerate(runs):
+        if not restart and (run / SUMMARY_FILE).exists():
+            _check_finished_fold(per_fold.replace(fold=k), run, data if data is not None else cfg.data)
+            summaries.append(read_json(run / SUMMARY_FILE))
+            if talk:
+                print(f"fold {k + 1} of {k_folds}: {run} finished before (step {summaries[-1]['step']}); kept", flush=True)
+            continue
+        if talk:
+            print(f"fold {k + 1} of {k_folds}: {run}, fold {k}'s rows held out", flush=True)
+        summaries.append(finetune(per_fold.replace(fold=k), run, data=data, plugin=plug, progress=progress,
+                                  restart=restart, bar=bar).summary)
+    tasks = {t["name"]: t["task"] for t in summaries[0]["tables"]}
+    summary_path = out / SUMMARY_FILE
+    if main:
+        choice = pool_folds([read_fold_losses(r) for r in runs], tasks, cfg.significance, cfg.min_delta)
+        best_step = choice["best_step"]
+        by_step = {row["step"]: {k: v for k, v in row.items() if k not in ("step", "rows", "z_vs_start")}
+                   for row in choice["steps"]}
+        snapshots = [r / FOLD_STEPS / f"step_{best_step}" for r in (runs if best_step else runs[:1])]
+        state, config = average_exports(snapshots)
+        config = {k: v for k, v in config.items() if k != "weights_sha256"}
+        config["finetune"] = {**config.get("finetune", {}), "step": best_step, "folds": k_folds,
+                              "holdout": by_step[best_step], "averaged": [str(p) for p in snapshots]}
+        export_model(build_model(state, config, where=str(snapshots[0])), out / "export", config)
+        summary = {
+            "out": str(out), "init": cfg.init, "data": summaries[0]["data"], "tables": summaries[0]["tables"],
+            "folds": k_folds, "fold_runs": [{"out": str(r), "step": s["step"], "stopped": s["stopped"],
+                                             "wall_s": s["wall_s"]} for r, s in zip(runs, summaries)],
+            "step": min(s["step"] for s in summaries), "steps": cfg.steps, "stopped": "folds",
+            "best_step": best_step, "before": {"step": 0, **by_step[0]}, "best": {"step": best_step, **by_step[best_step]},
+            "pooled": choice["steps"], "export": str(out / "export"), "wall_s": time.perf_counter() - start,
+            "significance": cfg.significance,
+        }
+        if cfg.report:
+            summary["report"] = _forgetting_report(cfg, out / "export", _init_model(cfg.init)[0].context_features)
+        write_json(summary_path, summary)
+    barrier()
+    summary = read_json(summary_path)
+    result = FinetuneResult(out, summary["step"], "folds", summary["best_step"], summary["before"], summary["best"],
+                            out / "export", summary["wall_s"], summary)
+    if talk:
+        print(result.table(), flush=True)
+    return result
+
+
 def _forgetting_report(cfg: FinetuneConfig, export: Path, context_features: str) -> dict[str, Any]:
     """`cfg.report`'s tables scored in context (their own held-out rows, as HoldoutEval scores the
     training tables) with the starting weights and with the export: what fine-tuning cost elsewhere."""
@@ -1126,6 +1314,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  fine-tuned {summary['out']} from {summary['init']} on {summary['data']}",
         f"  steps {summary['step']}/{summary['steps']} (stopped: {summary['stopped']}), best step {summary['best_step']}, "
         f"wall {summary['wall_s'] / 60:.1f} min, export {summary['export']}",
+        *([f"  {summary['folds']} folds: every row held out once, its losses pooled over the fold runs; the export "
+           f"averages the {summary['folds']} runs' weights at the chosen step"] if summary.get("folds") else []),
         "",
         f"  {'held-out':<{width}}{'step 0':>12}{'best':>12}{'change':>12}",
     ]
@@ -1137,6 +1327,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         a, b = before.get(k), best.get(k)
         change = b - a if isinstance(a, (int, float)) and isinstance(b, (int, float)) else None
         lines.append(f"  {k:<{width}}{cell(a)}{cell(b)}{cell(change) if change is not None else cell(None)}")
+    if summary.get("pooled"):
+        lines += ["", f"  {'pooled over the folds, by step':<{width}}{'score':>12}{'z vs step 0':>12}{'rows':>12}"]
+        for row in summary["pooled"]:
+            lines.append(f"  {'step ' + str(row['step']):<{width}}{cell(row['score'])}{cell(row['z_vs_start'])}"
+                         f"{row['rows']:>12}")
     unseen = summary.get("holdout_tables")
     if unseen:
         lines += ["", f"  {'held-out tables (never trained)':<{width}}{'step 0':>12}{'best':>12}{'change':>12}"]
