@@ -1077,22 +1077,18 @@ def finetune(cfg: FinetuneConfig, out_dir: str | Path, data: Any = None, plugin:
         seed=cfg.seed, bar=bar, save_frozen=lora is None,
     )
 
-    def export(step: int, metrics: dict[str, float]) -> None:
+    def export(step: int, metrics: dict[str, float], where: Path | None = None) -> None:
+        """The weights of this step, adapters merged, as an export (OUT/export unless `where`)."""
         info = {"step": step, "holdout": {k: _finite(v) for k, v in metrics.items()}, "init": cfg.init,
                 "lora": record["lora"], "estimator_params": {k: v for k, v in holdout.estimator_params.items()}}
         merge = None if lora is None else (lambda state: merge_adapters(state, lora.scale))
-        booster.export(trainer.model, out / "export", export_config(model_cfg, record, preset=preset, finetune=info),
-                       transform=merge)
+        booster.export(trainer.model, where or out / "export",
+                       export_config(model_cfg, record, preset=preset, finetune=info), transform=merge)
 
     def keep_step(step: int, metrics: dict[str, float]) -> None:
         """A fold run's record of one evaluation: the weights (OUT/steps/step_N, an export) and the
         held-out rows' per-row losses (a line of OUT/holdout_losses.jsonl)."""
-        info = {"step": step, "holdout": {k: _finite(v) for k, v in metrics.items()}, "init": cfg.init,
-                "lora": record["lora"], "estimator_params": dict(holdout.estimator_params)}
-        merge = None if lora is None else (lambda state: merge_adapters(state, lora.scale))
-        snapshot = out / FOLD_STEPS / f"step_{step}"  # replaced when a resumed run evaluates the step again
-        booster.export(trainer.model, snapshot, export_config(model_cfg, record, preset=preset, finetune=info),
-                       transform=merge)
+        export(step, metrics, out / FOLD_STEPS / f"step_{step}")  # replaced when a resumed run evaluates it again
         if main:
             line = {"step": step, "metrics": {k: _finite(v) for k, v in metrics.items()},
                     "rows": {k: v.tolist() for k, v in holdout.rows.items()}}
