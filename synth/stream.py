@@ -147,6 +147,14 @@ class StreamConfig:
                              "classification": 0.45, "regression": 0.2, "imputation": 0.35,
                              "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0),
                              "residual_targets": 0.5},
+        # pretrain-residual-impute with more classification episodes (60 %) and nine of ten class targets cut
+        # at equal shares, so 5-10-class targets (digits, segment, vehicle) are half of the classification
+        # episodes instead of about a third
+        "pretrain-many-classes": {**_WIDE, "prior": PriorConfig(categorical_fraction=(0.0, 1.0), p_equal_class_shares=0.9,
+                                                                 p_nominal_classes=0.5),
+                                  "classification": 0.6, "regression": 0.15, "imputation": 0.25,
+                                  "mask_fraction": (0.05, 0.55), "mask_mechanisms": (1.0, 1.0, 1.0),
+                                  "residual_targets": 0.5},
         # larger tables for longer pretraining
         "large": dict(min_rows=128, max_rows=4096, min_cols=2, max_cols=128, max_cells=131072,
                       row_quantum=64, cells_per_batch=524288, max_batch=128),

@@ -16,7 +16,7 @@ PRETRAIN_PRESETS = ("tiny", "small", "base", "smoke")
 # tabfm.train.finetune.FinetuneConfig.PRESETS
 FINETUNE_PRESETS = ("default", "long", "smoke")
 # tabfm.synth.stream.StreamConfig.PRESETS
-STREAM_PRESETS = ("default", "small", "tiny", "pretrain", "pretrain-wide", "pretrain-mixed", "pretrain-classes", "pretrain-nominal", "nano", "pretrain-small", "pretrain-impute", "pretrain-missing", "pretrain-residual", "pretrain-residual-impute", "pretrain-regions", "large")
+STREAM_PRESETS = ("default", "small", "tiny", "pretrain", "pretrain-wide", "pretrain-mixed", "pretrain-classes", "pretrain-nominal", "nano", "pretrain-small", "pretrain-impute", "pretrain-missing", "pretrain-residual", "pretrain-residual-impute", "pretrain-regions", "pretrain-many-classes", "large")
 # tabfm.train.optim.OPTIMIZERS
 OPTIMIZERS = ("adamw", "muon")
 # tabfm.train.config.PRECISIONS, PLUGINS, PRETRAIN_PLUGINS, FINETUNE_PLUGINS, GEMINI_PLACEMENTS
