@@ -5,7 +5,7 @@
     nice -n 10 python benchmarks/finetune_vs_context.py --tables german,australian --lora-ranks 4,8,16
     nice -n 10 python benchmarks/finetune_vs_context.py --task regression --lora-ranks 8   # runs/regression-suite
 
-For each table: the first fold of the public protocol's split (`tabfm.eval.protocols.classification_splits`,
+For each table: the first fold (or each of --protocol-folds) of the public protocol's split (`tabfm.eval.protocols.classification_splits`,
 stratified 5-fold, seed 0, as `tabfm eval` runs it) gives train and test rows. On the TEST rows,
 every variant is scored by `TabFMClassifier(model=..., **estimator_params)` fitted on the train rows,
 with the same estimator parameters (`HoldoutEval.params_for`, the ones fine-tuning scores its
@@ -19,6 +19,10 @@ shuffled 5-fold, seed 0), `TabFMRegressor` and `regression_metrics` (R^2, RMSE),
     full         `finetune()` on the train rows only (its own stratified holdout of them picks the best
                  step), every parameter trained, a fixed wall budget --minutes per run
     lora-R       the same with low-rank adapters of rank R (merged into the export)
+
+--protocol-folds 0,1,2,3,4 runs every table on those folds of the protocol (fine-tuning on each fold's
+train rows, scoring its test rows) and reports the mean over them, as `tabfm eval` scores a table, with
+the number of folds on which each variant beat in context.
 
 --folds 1,5 runs every fine-tuned variant once per value of FinetuneConfig.folds (K >= 2: named
 ...-k5; K fold runs, each --minutes long, the step chosen on all training rows pooled and the K
@@ -85,18 +89,18 @@ FP32_BYTES = 4
 
 # --------------------------------------------------------------------------- data: the suite's own loader and split
 
-def first_fold(ds, task: str):
-    """(X_train, y_train, X_test, y_test, K, train_idx, test_idx): the first fold of the public
+def protocol_fold(ds, task: str, fold: int = 0):
+    """(X_train, y_train, X_test, y_test, K, train_idx, test_idx): fold `fold` of the public
     protocol of `task` (K, the class count, is None for regression)."""
     X = ds.X
     if task == "classification":
         y = ds.frame[ds.target].cat.codes.to_numpy().astype(np.int64)
         K = len(ds.frame[ds.target].cat.categories)
-        tr, te = classification_splits(y)[0]
+        tr, te = classification_splits(y)[fold]
     else:
         y = ds.frame[ds.target].to_numpy(dtype=np.float64)
         K = None
-        tr, te = regression_splits(len(y))[0]
+        tr, te = regression_splits(len(y))[fold]
     return (X.iloc[tr].reset_index(drop=True), y[tr], X.iloc[te].reset_index(drop=True), y[te], K, tr, te)
 
 
@@ -143,8 +147,79 @@ def trainable_parameters(init: str, lora_rank: int | None, lora_alpha: float | N
 
 # --------------------------------------------------------------------------- the benchmark
 
+def run_fold(args, ds, fold: int, variants, spec, base_cfg, params, splits, forgetting, init_forget) -> dict:
+    """In context and every fine-tuned variant on protocol fold `fold` of one table: {"info", "variants"}."""
+    from tabfm.train.finetune import finetune
+
+    task, primary = args.task, PRIMARY[args.task]
+    split = protocol_fold(ds, task, fold)
+    Xtr, ytr, Xte, yte, K, tr, te = split
+    info = {"rows": int(len(ds.frame)), "features": int(len(ds.features)), "classes": K,
+            "train_rows": int(len(tr)), "test_rows": int(len(te)), "fold": fold}
+    row = {"info": info, "variants": {}}
+    print(f"\n{ds.name} fold {fold}: {info}", flush=True)
+    s = score(args.init, params, split, task)
+    row["variants"]["in-context"] = {"test": s, "cost": {"wall_s": s["seconds"], "steps": 0,
+                                                          **trainable_parameters(args.init, None, None),
+                                                          "trainable_params": 0, "optimizer_state_bytes": 0}}
+    print(f"  fold {fold} in-context: {_line(s, task)} ({s['seconds']:.0f} s)", flush=True)
+    train_frame = ds.frame.iloc[tr].reset_index(drop=True)  # features + target, train rows only
+    for variant in variants[1:]:
+        rank, z, k = spec[variant]
+        lr = args.lr if rank is None or args.lora_lr is None else args.lora_lr
+        cfg = base_cfg.replace(target=ds.target, lora_rank=rank, lora_alpha=None, lr=lr, significance=z,
+                               folds=k, max_minutes=args.minutes * k)  # each fold run: one run's budget
+        out = Path(args.work) / f"seed{args.seed}" / ds.name / f"fold{fold}" / variant
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            res = finetune(cfg, out, data=train_frame, progress=False, restart=True)
+        ft_wall = time.perf_counter() - t0
+        export = res.export
+        recorded = json.loads((export / "config.json").read_text())["finetune"]
+        if recorded["estimator_params"] != params:
+            print(f"  WARNING {variant}: export records estimator parameters {recorded['estimator_params']}, "
+                  f"scored here with {params}", flush=True)
+        s = score(str(export), recorded["estimator_params"], split, task)
+        forget = {}
+        for f in forgetting:
+            if f == ds.name:
+                continue
+            fs = score(str(export), recorded["estimator_params"], splits[f], task)
+            forget[f] = {"metric": primary, "value": fs[primary], "init_value": init_forget[f][primary],
+                         "delta": fs[primary] - init_forget[f][primary], "seconds": fs["seconds"]}
+        cost = {"lr": lr, "significance": z, "folds": k, "wall_s": ft_wall, "finetune_wall_s": res.wall_s, "steps": res.step, "stopped": res.stopped,
+                "best_step": res.best_step, **trainable_parameters(args.init, rank, None),
+                "holdout_before": res.initial.get("score"), "holdout_best": res.best.get("score"),
+                "export_step": recorded.get("step")}
+        row["variants"][variant] = {"test": s, "cost": cost, "forgetting": forget,
+                                    "estimator_params": recorded["estimator_params"]}
+        fdelta = " ".join(f"{f} {v['delta']:+.4f}" for f, v in forget.items())
+        print(f"  fold {fold} {variant}: {_line(s, task)}; {res.step} steps ({res.stopped}), best step {res.best_step}, "
+              f"{ft_wall / 60:.1f} min; forgetting Δ{primary} {fdelta}", flush=True)
+    return row
+
+
+def merge_folds(folds_out: list[dict], variants, task: str) -> dict:
+    """One table's result over its protocol folds: each variant's test metrics are the mean over the
+    folds (as `tabfm eval` reports a table), its cost that of the first fold; `folds` keeps every fold."""
+    if len(folds_out) == 1:
+        return folds_out[0]
+    first = folds_out[0]
+    info = {**first["info"], "fold": [r["info"]["fold"] for r in folds_out],
+            "test_rows": sum(r["info"]["test_rows"] for r in folds_out)}
+    merged = {"info": info, "variants": {}, "folds": folds_out}
+    for v in variants:
+        runs = [r["variants"][v] for r in folds_out]
+        test = {m: float(np.mean([r["test"][m] for r in runs])) for m in runs[0]["test"]}
+        merged["variants"][v] = {**runs[0], "test": test,
+                                 "fold_wins": sum(r["test"][PRIMARY[task]] > f["variants"]["in-context"]["test"][PRIMARY[task]]
+                                                  for r, f in zip(runs, folds_out))}
+    return merged
+
+
 def run(args) -> dict:
-    from tabfm.train.finetune import FinetuneConfig, HoldoutEval, finetune
+    from tabfm.train.finetune import FinetuneConfig, HoldoutEval
     from tabfm.weights import load_model
 
     torch.set_num_threads(1)
@@ -157,7 +232,8 @@ def run(args) -> dict:
     forgetting = [t for t in args.forgetting_tables.split(",") if t]
     ranks = [int(r) for r in args.lora_ranks.split(",") if r] if args.lora_ranks else []
     datasets = {d.name: d for d in load_suite(suite_dir, task, sorted(set(tables) | set(forgetting)))}
-    splits = {name: first_fold(ds, task) for name, ds in datasets.items()}
+    splits = {name: protocol_fold(ds, task) for name, ds in datasets.items()}  # forgetting: the first fold
+    pfolds = [int(f) for f in args.protocol_folds.split(",")]
 
     base_cfg = FinetuneConfig(init=args.init, task=task, steps=args.steps, max_minutes=args.minutes,
                               threads=1, seed=args.seed, lr=args.lr, eval_every=args.eval_every,
@@ -183,59 +259,19 @@ def run(args) -> dict:
 
     results: dict = {}
     for name in tables:
-        ds, split = datasets[name], splits[name]
-        Xtr, ytr, Xte, yte, K, tr, te = split
-        info = {"rows": int(len(ds.frame)), "features": int(len(ds.features)), "classes": K,
-                "train_rows": int(len(tr)), "test_rows": int(len(te))}
-        row = {"info": info, "variants": {}}
-        results[name] = row
-        print(f"\n{name}: {info}", flush=True)
-        s = score(args.init, params, split, task)
-        row["variants"]["in-context"] = {"test": s, "cost": {"wall_s": s["seconds"], "steps": 0,
-                                                              **trainable_parameters(args.init, None, None),
-                                                              "trainable_params": 0, "optimizer_state_bytes": 0}}
-        print(f"  in-context: {_line(s, task)} ({s['seconds']:.0f} s)", flush=True)
-        train_frame = ds.frame.iloc[tr].reset_index(drop=True)  # features + target, train rows only
-        for variant in variants[1:]:
-            rank, z, k = spec[variant]
-            lr = args.lr if rank is None or args.lora_lr is None else args.lora_lr
-            cfg = base_cfg.replace(target=ds.target, lora_rank=rank, lora_alpha=None, lr=lr, significance=z,
-                                   folds=k, max_minutes=args.minutes * k)  # each fold run: one run's budget
-            out = Path(args.work) / f"seed{args.seed}" / name / variant
-            t0 = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                res = finetune(cfg, out, data=train_frame, progress=False, restart=True)
-            ft_wall = time.perf_counter() - t0
-            export = res.export
-            recorded = json.loads((export / "config.json").read_text())["finetune"]
-            if recorded["estimator_params"] != params:
-                print(f"  WARNING {variant}: export records estimator parameters {recorded['estimator_params']}, "
-                      f"scored here with {params}", flush=True)
-            s = score(str(export), recorded["estimator_params"], split, task)
-            forget = {}
-            for f in forgetting:
-                if f == name:
-                    continue
-                fs = score(str(export), recorded["estimator_params"], splits[f], task)
-                forget[f] = {"metric": primary, "value": fs[primary], "init_value": init_forget[f][primary],
-                             "delta": fs[primary] - init_forget[f][primary], "seconds": fs["seconds"]}
-            cost = {"lr": lr, "significance": z, "folds": k, "wall_s": ft_wall, "finetune_wall_s": res.wall_s, "steps": res.step, "stopped": res.stopped,
-                    "best_step": res.best_step, **trainable_parameters(args.init, rank, None),
-                    "holdout_before": res.initial.get("score"), "holdout_best": res.best.get("score"),
-                    "export_step": recorded.get("step")}
-            row["variants"][variant] = {"test": s, "cost": cost, "forgetting": forget,
-                                        "estimator_params": recorded["estimator_params"]}
-            fdelta = " ".join(f"{f} {v['delta']:+.4f}" for f, v in forget.items())
-            print(f"  {variant}: {_line(s, task)}; {res.step} steps ({res.stopped}), best step {res.best_step}, "
-                  f"{ft_wall / 60:.1f} min; forgetting Δ{primary} {fdelta}", flush=True)
+        ds = datasets[name]
+        folds_out = [run_fold(args, ds, fold, variants, spec, base_cfg, params, splits, forgetting, init_forget)
+                     for fold in pfolds]
+        results[name] = merge_folds(folds_out, variants, task)
+
 
     record = {
         "benchmark": "finetune_vs_context", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "task": task, "primary_metric": primary, "suite_dir": str(suite_dir),
-        "split": ("classification_splits(y)[0]: StratifiedKFold(5, shuffle, seed 0), fold 0" if task == "classification"
-                  else "regression_splits(n)[0]: KFold(5, shuffle, seed 0), fold 0"),
+        "split": ("classification_splits(y): StratifiedKFold(5, shuffle, seed 0)" if task == "classification"
+                  else "regression_splits(n): KFold(5, shuffle, seed 0)"),
+        "protocol_folds": pfolds,
         "init": args.init, "init_context_features": init_features, "estimator_params": params,
         "minutes_per_run": args.minutes, "steps_cap": args.steps, "lr": args.lr, "lora_lr": args.lora_lr or args.lr,
         "seed": args.seed,
@@ -273,15 +309,16 @@ def report(record: dict) -> str:
 
     forget = record["forgetting_tables"]
     lines += [f"\ncost per run and forgetting (Δ{primary} of the export in context on the other tables vs the init's)\n",
-              "| table | variant | wall min | steps | stopped | best step | trainable params | AdamW state | "
-              + " | ".join(f"Δ {f}" for f in forget) + " |",
+              "| table | variant | wall min | steps | stopped | best step | trainable params | AdamW state |"
+              + "".join(f" Δ {f} |" for f in forget),
               "|---|---|---:|---:|---|---:|---:|---:|" + "---:|" * len(forget)]
-    for name, row in results.items():
-        for v in variants[1:]:
-            c, fg = row["variants"][v]["cost"], row["variants"][v]["forgetting"]
-            lines.append(f"| {name} | {v} | {c['wall_s'] / 60:.1f} | {c['steps']} | {c['stopped']} | {c['best_step']} | "
-                         f"{c['trainable_params']:,} | {c['optimizer_state_bytes'] / 2**20:.2f} MiB | "
-                         + " | ".join(_fmt(fg[f]["delta"], 4) if f in fg else "–" for f in forget) + " |")
+    for name, table in results.items():
+        for row in table.get("folds", [table]):
+            for v in variants[1:]:
+                c, fg = row["variants"][v]["cost"], row["variants"][v]["forgetting"]
+                lines.append(f"| {name} fold {row['info'].get('fold', 0)} | {v} | {c['wall_s'] / 60:.1f} | {c['steps']} | {c['stopped']} | {c['best_step']} | "
+                             f"{c['trainable_params']:,} | {c['optimizer_state_bytes'] / 2**20:.2f} MiB |"
+                             + "".join(f" {_fmt(fg[f]['delta'], 4) if f in fg else '–'} |" for f in forget))
     init_f = ", ".join(f"{f} {record['init_forgetting'][f][primary]:.4f}" for f in forget)
     lines.append(f"\ninit in context on the forgetting tables: {init_f}")
 
@@ -293,8 +330,11 @@ def report(record: dict) -> str:
         for row in results.values():
             a, b = row["variants"][v]["test"][primary], row["variants"]["in-context"]["test"][primary]
             w, t, lo = w + (a > b), t + (a == b), lo + (a < b)
-        kept = sum(row["variants"][v]["cost"]["best_step"] == 0 for row in results.values())
-        wins.append(f"{v} {w}/{t}/{lo} (best step 0, the init exported: {kept}/{len(results)})")
+        runs = [r["variants"][v] for row in results.values() for r in row.get("folds", [row])]
+        kept = sum(r["cost"]["best_step"] == 0 for r in runs)
+        fold_wins = sum(row["variants"][v].get("fold_wins", 0) for row in results.values())
+        extra = f", folds won {fold_wins}/{len(runs)}" if any("folds" in row for row in results.values()) else ""
+        wins.append(f"{v} {w}/{t}/{lo} (best step 0, the init exported: {kept}/{len(runs)} runs{extra})")
     summary += f"; {primary} wins/ties/losses of fine-tuned over in-context: " + ", ".join(wins)
     summary += f"; total wall {record['total_wall_s'] / 60:.1f} min"
     lines.append(summary)
@@ -321,6 +361,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--folds", default="1",
                     help="comma list of FinetuneConfig.folds values: 1 is one run with a 20%% holdout; K >= 2 the "
                          "K-fold cross-fitted variant (named ...-kK), each of its K fold runs --minutes long")
+    ap.add_argument("--protocol-folds", default="0",
+                    help="comma list of the protocol's folds (0-4) to run each table on; several: a table's score is "
+                         "the mean over them (as `tabfm eval` reports it) and every fold is kept in the JSON")
     ap.add_argument("--lora-ranks", default="8", help="comma list of LoRA ranks ('' for none); the issue: 4,8,16")
     ap.add_argument("--init", default="tabfm-tiny-cf", help="starting weights (shipped name or export directory)")
     ap.add_argument("--seed", type=int, default=0, help="fine-tuning seed (its holdout split, episodes) and the "
