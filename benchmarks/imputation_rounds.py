@@ -64,7 +64,8 @@ def main() -> None:
     ap.add_argument("--datasets", default=DEFAULT_DATASETS, help="comma-separated names, or 'all'")
     ap.add_argument("--seeds", default="0", help="mask seeds of imputation_conditions (0,1,2 = the full protocol)")
     ap.add_argument("--settings", default="joint:1,joint:2,joint:3",
-                    help="comma-separated STRATEGY:N_ROUNDS imputer settings (strategy 'columns' or 'joint')")
+                    help="comma-separated STRATEGY:N_ROUNDS[:LOCAL_CONTEXT] imputer settings (strategy 'columns' or "
+                         "'joint'; LOCAL_CONTEXT: the column estimators' local_context, default the imputer's)")
     ap.add_argument("--round-parts", type=int, default=DEFAULT_ROUND_PARTS)
     ap.add_argument("--model", default=DEFAULT_MODELS["imputation"])
     ap.add_argument("--threads", type=int, default=1)
@@ -75,10 +76,10 @@ def main() -> None:
     names = None if args.datasets == "all" else args.datasets.split(",")
     suite = load_suite(args.suite, "imputation", names)
     seeds = {int(s) for s in args.seeds.split(",")}
-    rounds = args.settings.split(",")  # one label per setting, "strategy:n_rounds"
+    rounds = args.settings.split(",")  # one label per setting, "strategy:n_rounds[:local_context]"
     for r in rounds:
-        if r.count(":") != 1 or not r.split(":")[1].isdigit():
-            ap.error(f"--settings entries are STRATEGY:N_ROUNDS, got {r!r}")
+        if r.count(":") not in (1, 2) or not all(p.isdigit() for p in r.split(":")[1:]):
+            ap.error(f"--settings entries are STRATEGY:N_ROUNDS[:LOCAL_CONTEXT], got {r!r}")
     conditions = [c for c in imputation_conditions() if c[2] in seeds]
     units: dict[str, list[dict]] = {r: [] for r in rounds}
     t_all = time.perf_counter()
@@ -88,9 +89,10 @@ def main() -> None:
             M = imputation_mask(frame, mech, rate, seed)
             masked = apply_mask(frame, M)
             for r in rounds:
-                strategy, n = r.split(":")
+                strategy, n, *local = r.split(":")
+                extra = {"local_context": int(local[0])} if local else {}
                 est = TabFMImputer(model=args.model, random_state=0, strategy=strategy, n_rounds=int(n),
-                                   round_parts=args.round_parts)
+                                   round_parts=args.round_parts, **extra)
                 t0 = time.perf_counter()
                 out = est.fit_transform(masked)
                 sec = time.perf_counter() - t0

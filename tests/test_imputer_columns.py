@@ -55,6 +55,25 @@ def test_each_column_is_its_supervised_estimator():
     pd.testing.assert_frame_equal(out.where(observed), X.where(observed))  # observed cells come back as given
 
 
+def test_local_context_reaches_the_column_estimators():
+    """With local_context > 0 each column is its supervised estimator with that local_context: here 40 of
+    the ~90 observed rows, so members 2 and 3 of 4 read local contexts and the answer differs from off."""
+    X, _ = related(n=120, seed=3)
+    col, j = "v", list(X.columns).index("v")
+    imp = TabFMImputer(n_estimators=4, random_state=2, local_context=40).fit(X)
+    got = imp.transform(X)
+    miss = X[col].isna().to_numpy()
+    kw = {"model": imp.model, "n_estimators": 4, "max_columns": 32, "progress": False}
+    est = TabFMRegressor(random_state=column_seed(imp.ensemble_seed_, j), local_context=40, **kw).fit(
+        X.loc[~miss].drop(columns=[col]), X.loc[~miss, col].astype(float))
+    assert est.local_ is not None  # the reference has local members
+    np.testing.assert_allclose(got.loc[miss, col].to_numpy(float), est.predict(X.loc[miss].drop(columns=[col])), rtol=1e-6)
+    off = TabFMImputer(n_estimators=4, random_state=2).fit(X).transform(X)
+    assert not np.allclose(off.loc[miss, col].to_numpy(float), got.loc[miss, col].to_numpy(float))
+    with pytest.raises(ValueError, match="local_context must be an int >= 0"):
+        TabFMImputer(local_context=-1).fit(X)
+
+
 def test_predictable_cells_are_predicted():
     X, full = related(n=160)
     out = TabFMImputer().fit_transform(X)

@@ -72,6 +72,7 @@ DEFAULT_STRATEGY = "columns"
 COLUMN_KEY = 13  # keys a column's supervised seed apart from the members' other draws
 DEFAULT_N_ROUNDS = 1
 DEFAULT_ROUND_PARTS = 4
+DEFAULT_LOCAL_CONTEXT = 0  # the column estimators' local contexts: off until measured (BENCHMARKS.md)
 ROUND_KEY = 11  # keys a member's per-round order of its columns apart from its other choices (anomaly uses 7-9)
 
 
@@ -113,6 +114,9 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                  while the row's other missing cells show the previous estimates. A row's parts are
                  min(round_parts, its missing columns in the group); round_parts=1 hides them all
                  together, which is round 1 again (no extra pass). Used only when n_rounds > 1.
+    local_context  strategy="columns": the column estimators' `local_context` (rows; 0 = off, the
+                 default): members that read the observed rows nearest to the query instead of all
+                 of them, on columns observed in more rows than that (tabfm.estimators.local_context).
     Other parameters: see TabFMEstimator.
     """
 
@@ -121,13 +125,15 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                  precision: str = "auto", max_context_rows: int = DEFAULT_MAX_CONTEXT_ROWS,
                  max_columns: int = DEFAULT_MAX_COLUMNS, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: bool | None = None, backend: str = "torch", n_rounds: int = DEFAULT_N_ROUNDS,
-                 round_parts: int = DEFAULT_ROUND_PARTS, strategy: str = DEFAULT_STRATEGY) -> None:
+                 round_parts: int = DEFAULT_ROUND_PARTS, strategy: str = DEFAULT_STRATEGY,
+                 local_context: int = DEFAULT_LOCAL_CONTEXT) -> None:
         super().__init__(model=model, n_estimators=n_estimators, random_state=random_state, device=device,
                          precision=precision, max_context_rows=max_context_rows, max_columns=max_columns,
                          chunk_size=chunk_size, progress=progress, backend=backend)
         self.n_rounds = n_rounds
         self.round_parts = round_parts
         self.strategy = strategy
+        self.local_context = local_context
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # an imputer pickled before the parameters existed: today's behaviour, and get_params / clone work
@@ -135,6 +141,7 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
         state.setdefault("n_rounds", DEFAULT_N_ROUNDS)
         state.setdefault("round_parts", DEFAULT_ROUND_PARTS)
         state.setdefault("strategy", "joint")  # what it did then
+        state.setdefault("local_context", 0)
         super().__setstate__(state)
 
     def _check_params(self) -> None:
@@ -143,6 +150,9 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
             value = getattr(self, name, default)
             if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        v = getattr(self, "local_context", DEFAULT_LOCAL_CONTEXT)
+        if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v < 0:
+            raise ValueError(f"local_context must be an int >= 0 (rows; 0 = off), got {v!r}")
         strategy = getattr(self, "strategy", DEFAULT_STRATEGY)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -285,7 +295,7 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
                       device=self.device, precision=self.precision, max_context_rows=self.max_context_rows,
                       max_columns=min(self.max_columns, DEFAULT_MAX_COLUMNS_SUPERVISED), chunk_size=self.chunk_size,
                       progress=False, backend=self.backend,
-                      local_context=0)  # local contexts are measured for prediction, not yet for imputation
+                      local_context=int(self.local_context))
         y = table.loc[observed, spec.name]
         if spec.type == NUMERIC_T:  # half the members on the ridge residual, weighted per row (module doc)
             est = self.column_estimators["regression"](**params, linear_residual="mixed")

@@ -19,7 +19,7 @@ from tabfm.estimators.local_context import LOCAL_CONTEXT_ROWS
 from tabfm.estimators.base import (DEFAULT_MAX_COLUMNS, DEFAULT_MAX_COLUMNS_SUPERVISED, DEFAULT_MAX_CONTEXT_ROWS,
                                    DEFAULT_N_ESTIMATORS, DEFAULT_N_NEIGHBORS)
 from tabfm.estimators import anomaly
-from tabfm.estimators.imputer import DEFAULT_ROUND_PARTS
+from tabfm.estimators.imputer import DEFAULT_LOCAL_CONTEXT, DEFAULT_ROUND_PARTS
 from tabfm.inference import DEFAULT_CHUNK_SIZE
 
 Cell = Union[StrictBool, StrictInt, float, str, None]
@@ -86,6 +86,8 @@ class ImputerParams(CommonParams):
                                                         "others filled by the previous round's estimates")
     round_parts: int = Field(DEFAULT_ROUND_PARTS, ge=1, description="strategy=joint, rounds after the first: at most this many parts a "
                              "row's missing columns are re-predicted in, each with the others filled")
+    local_context: int = Field(DEFAULT_LOCAL_CONTEXT, ge=0, description="strategy=columns: the column estimators' "
+                               "local contexts (rows; 0 = off)")
 
 
 class AnomalyParams(CommonParams):
