@@ -7,7 +7,7 @@ import pytest
 from tabfm import TabFMClassifier, TabFMRegressor
 from tabfm.data.batch import CATEGORICAL, NUMERIC
 from tabfm.data.neighbors import design, relevance
-from tabfm.estimators.local_context import LocalContexts, sq_distances
+from tabfm.estimators.local_context import MIN_CLASS_SHARE, LocalContexts, context_rows, sq_distances
 
 
 def two_blobs(n_per: int = 300, seed: int = 0):
@@ -28,7 +28,7 @@ def test_sq_distances_by_hand():
 def test_groups_cover_every_row_once_with_the_nearest_context_rows():
     x, y = two_blobs()
     kind, card = np.array([NUMERIC, NUMERIC]), np.array([0, 0])
-    local = LocalContexts.of(x, kind, card, y, classes=True, size=100, seed=0)
+    local = LocalContexts.of(x, kind, card, y.astype(float), classes=False, size=100, seed=0)
     assert len(local.centers) == 24  # ceil(4 * 600 / 100)
     z = local.embed(x)
     for c, rows in enumerate(local.rows):  # each context: the 100 rows nearest its centre, by brute force
@@ -44,6 +44,42 @@ def test_groups_cover_every_row_once_with_the_nearest_context_rows():
         (c,) = np.unique(nearest[g])
         np.testing.assert_array_equal(g, np.flatnonzero(nearest == c))
         np.testing.assert_array_equal(rows, local.rows[c])
+
+
+def test_context_rows_keep_every_class_by_hand():
+    d = np.arange(10.0)  # row i is the i-th nearest
+    assert MIN_CLASS_SHARE == 0.25
+    # 8 rows of class 0, then 2 of class 1: class 1's floor is ceil(0.25 * 4 * 2 / 10) = 1 row, its nearest (8)
+    np.testing.assert_array_equal(context_rows(d, 4, np.array([0] * 8 + [1] * 2)), [0, 1, 2, 8])
+    np.testing.assert_array_equal(context_rows(d, 4), [0, 1, 2, 3])  # no labels: the nearest rows
+    np.testing.assert_array_equal(context_rows(d, 4, np.array([0, 1] * 5)), [0, 1, 2, 3])  # floors met: the same
+    # 7 rows of class 0 then 3 of class 1, 6 kept: floors ceil(0.25 * 6 * 7 / 10) = 2 and ceil(0.25 * 6 * 3 / 10) = 1;
+    # the plain nearest six (0..5) hold no class 1, so its nearest row (7) goes in for the farthest of them (5)
+    np.testing.assert_array_equal(context_rows(d, 6, np.array([0] * 7 + [1] * 3)), [0, 1, 2, 3, 4, 7])
+    # distances in another order: the rows are chosen by distance, not by index
+    np.testing.assert_array_equal(context_rows(d[::-1].copy(), 6, np.array([1] * 3 + [0] * 7)), [2, 5, 6, 7, 8, 9])
+
+
+def test_class_contexts_meet_their_floors_with_the_nearest_rows():
+    """On the two blobs (10 % of each blob's labels flipped, under the floors of 0.25 x 100 x the class share,
+    12-13 rows): every context holds each class's nearest `floor` rows of that class, and 100 rows in all."""
+    x, y = two_blobs()
+    local = LocalContexts.of(x, np.array([NUMERIC, NUMERIC]), np.array([0, 0]), y, classes=True, size=100, seed=0)
+    z = local.embed(x)
+    floors = np.ceil(MIN_CLASS_SHARE * 100 * np.bincount(y) / len(y)).astype(int)
+    np.testing.assert_array_equal(floors, [12, 13])  # 288 and 312 rows of 600
+    raised = 0
+    dist = sq_distances(local.centers, z)  # the library's distances: near-ties order as it orders them
+    for c, rows in enumerate(local.rows):
+        d = dist[c]
+        np.testing.assert_allclose(d, ((z - local.centers[c]) ** 2).sum(1), atol=1e-9)
+        assert len(rows) == 100
+        for k in (0, 1):  # each class's nearest `floor` rows are in
+            cls_rows = np.flatnonzero(y == k)
+            assert set(cls_rows[np.argsort(d[cls_rows], kind="stable")[:floors[k]]]) <= set(rows)
+        plain = np.argsort(d, kind="stable")[:100]
+        raised += (np.bincount(y[plain], minlength=2) < floors).any()
+    assert raised > 0  # the floor binds on some contexts of this table
 
 
 def test_distance_is_the_neighbour_columns_distance():
