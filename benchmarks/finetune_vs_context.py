@@ -264,7 +264,6 @@ def run(args) -> dict:
                      for fold in pfolds]
         results[name] = merge_folds(folds_out, variants, task)
 
-
     record = {
         "benchmark": "finetune_vs_context", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),

@@ -30,7 +30,7 @@ from tabfm.weights import DEFAULT_MODEL, load_model
 
 from .ensemble import NUMERIC_TRANSFORMS, Member, make_members, quantile_normal, subsample
 from .linear import LinearScores, worth_showing
-from .local_context import LOCAL_CONTEXT_ROWS, LocalContexts
+from .local_context import LOCAL_CONTEXT_ROWS, LocalContexts, check_size
 from tabfm.data.neighbors import Neighbors, neighbor_sizes
 
 DEFAULT_N_ESTIMATORS = 4
@@ -389,9 +389,7 @@ class SupervisedTabFMEstimator(TabFMEstimator):
 
     def _check_params(self) -> None:
         super()._check_params()
-        v = self.local_context
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"local_context must be an int >= 0 (rows; 0 = off), got {v!r}")
+        check_size(self.local_context)
 
     def _fit_local(self, target: np.ndarray, classes: bool) -> None:
         """Group the training rows for the local members (None: no local members; module

@@ -63,6 +63,7 @@ from .base import (DEFAULT_CHUNK_SIZE, DEFAULT_MAX_COLUMNS, DEFAULT_MAX_COLUMNS_
                    DEFAULT_N_ESTIMATORS, Runtime, TabFMEstimator)
 from .classifier import TabFMClassifier
 from .ensemble import Member, subsample
+from .local_context import check_size
 from .regressor import TabFMRegressor
 
 MODEL_TYPES = (NUMERIC_T, BOOLEAN_T, CATEGORICAL_T, DATETIME_T)
@@ -150,9 +151,7 @@ class TabFMImputer(TransformerMixin, TabFMEstimator):
             value = getattr(self, name, default)
             if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        v = getattr(self, "local_context", DEFAULT_LOCAL_CONTEXT)
-        if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v < 0:
-            raise ValueError(f"local_context must be an int >= 0 (rows; 0 = off), got {v!r}")
+        check_size(getattr(self, "local_context", DEFAULT_LOCAL_CONTEXT))
         strategy = getattr(self, "strategy", DEFAULT_STRATEGY)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")

@@ -77,6 +77,12 @@ class LocalContexts:
         return [(np.flatnonzero(nearest == c), self.rows[c]) for c in np.unique(nearest)]
 
 
+def check_size(value) -> None:
+    """The `local_context` parameter of the estimators that take it: rows, an int >= 0 (0 = off)."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 0:
+        raise ValueError(f"local_context must be an int >= 0 (rows; 0 = off), got {value!r}")
+
+
 def context_rows(dist: np.ndarray, size: int, labels: np.ndarray | None = None) -> np.ndarray:
     """The `size` rows of smallest `dist` (sorted indices); with class `labels` (codes 0..K-1), first each
     class's nearest ceil(MIN_CLASS_SHARE * size * n_c / n) rows (all of a smaller class), then the nearest
