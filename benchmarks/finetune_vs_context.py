@@ -32,15 +32,16 @@ runs' weights averaged at it, `tabfm finetune --folds K`).
 (named full-z0, full-z2, ...): the same training, a different rule for which evaluated step is
 exported (any lower held-out score, or one lower by more than Z paired standard errors).
 
-Fine-tuning runs with steps=--steps (default 100000: the budget binds, so the cosine schedule is
-effectively flat at lr after warm-up), threads=1, and two settings scaled to a budget of tens of
+Fine-tuning runs with the default preset and steps=--steps (default 100000: the budget binds, so the cosine
+schedule is effectively flat at lr after warm-up), threads=1, and two settings scaled to a budget of tens of
 steps (a step of the default 16k-cell episodes takes ~2.5 s on one shared CPU thread): held-out
 evaluation every --eval-every 10 steps (FinetuneConfig: 25) and --warmup-steps 5 (FinetuneConfig: 20);
 the FinetuneConfig defaults otherwise (lr 1e-4 for full and LoRA unless --lora-lr, patience 4: a
-run can stop early; its evaluations count in its budget). Per run it records wall time, steps done, the stop
-reason, the best step, trainable parameters (counted on the model, adapters only for LoRA),
-AdamW optimizer state bytes (computed: 2 fp32 tensors, exp_avg and exp_avg_sq, per trainable
-parameter; the step counters not counted), and forgetting: the export's in-context ROC-AUC on
+run can stop early; its evaluations count in its budget). --preset long runs that preset's settings
+instead (as `tabfm finetune --preset long --max-minutes M`); flags given still override them.
+Per run it records wall time, steps done, the stop reason, the best step, trainable parameters
+(counted on the model, adapters only for LoRA), AdamW optimizer state bytes (computed: 2 fp32
+tensors, exp_avg and exp_avg_sq, per trainable parameter; the step counters not counted), and forgetting: the export's in-context ROC-AUC on
 --forgetting-tables (other tables of the suite, their first-fold split too) against the init's
 (ROC-AUC, or R^2 for regression).
 
@@ -81,6 +82,8 @@ DEFAULT_TABLES = {"classification": "australian,german,anes96,titanic_survival",
 DEFAULT_FORGETTING = {"classification": "pbc,breast_cancer", "regression": "diabetes,auto"}
 QUICK_TABLE = {"classification": "wine", "regression": "carseats"}
 METRICS = {"classification": ("roc_auc", "log_loss", "accuracy"), "regression": ("r2", "rmse")}
+# the default preset scaled to a budget of tens of steps (see the docstring)
+SMALL_BUDGET = {"steps": 100_000, "eval_every": 10, "warmup_steps": 5, "patience": 4}
 PRIMARY = {"classification": "roc_auc", "regression": "r2"}  # forgetting and wins/losses are counted on it
 HIGHER = {"roc_auc": True, "log_loss": False, "accuracy": True, "r2": True, "rmse": False}
 ADAMW_STATE_TENSORS = 2  # exp_avg, exp_avg_sq per parameter
@@ -235,9 +238,14 @@ def run(args) -> dict:
     splits = {name: protocol_fold(ds, task) for name, ds in datasets.items()}  # forgetting: the first fold
     pfolds = [int(f) for f in args.protocol_folds.split(",")]
 
-    base_cfg = FinetuneConfig(init=args.init, task=task, steps=args.steps, max_minutes=args.minutes,
-                              threads=1, seed=args.seed, lr=args.lr, eval_every=args.eval_every,
-                              warmup_steps=args.warmup_steps, patience=args.patience)
+    # the preset's settings where a flag is not given; the default preset with this benchmark's
+    # small-budget settings (SMALL_BUDGET), the ones every earlier table of BENCHMARKS.md ran with
+    given = {"steps": args.steps, "eval_every": args.eval_every, "warmup_steps": args.warmup_steps,
+             "patience": args.patience, "max_rows": args.max_rows, "eval_rows": args.eval_rows}
+    if args.preset == "default":
+        given = {k: SMALL_BUDGET.get(k) if v is None else v for k, v in given.items()}
+    base_cfg = FinetuneConfig.preset(args.preset, init=args.init, task=task, max_minutes=args.minutes, threads=1,
+                                     seed=args.seed, lr=args.lr, **{k: v for k, v in given.items() if v is not None})
     init_features = load_model(args.init).config.context_features
     params = HoldoutEval.params_for(base_cfg, init_features)  # what fine-tuning scores and exports with
     zs = [float(z) for z in args.significance.split(",")] if args.significance else [base_cfg.significance]
@@ -272,7 +280,7 @@ def run(args) -> dict:
                   else "regression_splits(n): KFold(5, shuffle, seed 0)"),
         "protocol_folds": pfolds,
         "init": args.init, "init_context_features": init_features, "estimator_params": params,
-        "minutes_per_run": args.minutes, "steps_cap": args.steps, "lr": args.lr, "lora_lr": args.lora_lr or args.lr,
+        "minutes_per_run": args.minutes, "steps_cap": base_cfg.steps, "lr": args.lr, "lora_lr": args.lora_lr or args.lr,
         "seed": args.seed,
         "finetune_config": base_cfg.to_dict(), "variants": variants, "tables": tables,
         "forgetting_tables": forgetting, "init_forgetting": init_forget,
@@ -341,6 +349,8 @@ def report(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from tabfm.train.finetune import FinetuneConfig
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=tuple(PRIMARY), default="classification",
                     help="classification (public suite) or regression (runs/regression-suite)")
@@ -348,12 +358,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--forgetting-tables", default=None,
                     help=f"other tables the exports are scored on in context (default {DEFAULT_FORGETTING})")
     ap.add_argument("--minutes", type=float, default=None, help="wall budget per fine-tuning run (default 1.5; --quick 0.3)")
-    ap.add_argument("--steps", type=int, default=100_000, help="step cap (large: the budget binds)")
+    ap.add_argument("--preset", choices=tuple(FinetuneConfig.PRESETS), default="default",
+                    help="FinetuneConfig preset, as `tabfm finetune --preset` (default: the default preset with "
+                         "this benchmark's small-budget settings; another preset: its own settings where the flags "
+                         "below are not given)")
+    ap.add_argument("--steps", type=int, default=None, help="step cap (default preset: 100,000, so the budget binds)")
     ap.add_argument("--lr", type=float, default=1e-4, help="fine-tuning learning rate (FinetuneConfig default)")
     ap.add_argument("--lora-lr", type=float, default=None, help="learning rate of the LoRA runs (default: --lr)")
-    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluations every N steps (FinetuneConfig: 25)")
-    ap.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps (FinetuneConfig: 20)")
-    ap.add_argument("--patience", type=int, default=4, help="evaluations without improvement before stopping")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="held-out evaluations every N steps (default preset: 10; FinetuneConfig: 25)")
+    ap.add_argument("--warmup-steps", type=int, default=None,
+                    help="linear warm-up steps (default preset: 5; FinetuneConfig: 20)")
+    ap.add_argument("--max-rows", type=int, default=None, help="rows per training episode, at most "
+                    "(FinetuneConfig: 512; the estimators' context reads up to 2,048)")
+    ap.add_argument("--eval-rows", type=int, default=None, help="held-out rows scored per evaluation (FinetuneConfig: 2048)")
+    ap.add_argument("--patience", type=int, default=None,
+                    help="evaluations without improvement before stopping (default preset: 4)")
     ap.add_argument("--significance", default=None,
                     help="comma list of FinetuneConfig.significance values (paired standard errors an evaluation "
                          "must beat the best by to be exported); several: one variant each (default: the config's)")

@@ -313,6 +313,19 @@ def test_sampler_is_seeded_rank_disjoint_and_shows_tables_as_the_estimators_do()
     assert {t for p in range(20) for t in a.episode_at(p)[1].tasks} == {"classification", "imputation"}
 
 
+def test_long_preset_episodes_are_as_long_as_the_estimators_context():
+    """On a table larger than the estimators' context, `--preset long` episodes run past the default's
+    512 rows, up to the context the estimators read (the setting that made fine-tuning pay there)."""
+    table = episode_table(3000)
+    lengths = {}
+    for name in ("default", "long"):
+        cfg = FinetuneConfig.preset(name)
+        sampler = TableEpisodeSampler([table], cfg.episode_config(max_classes=10))
+        lengths[name] = [sampler.shape_at(p)[1] for p in range(60)]
+    assert max(lengths["default"]) <= 512
+    assert 1024 < max(lengths["long"]) <= FinetuneConfig.preset("long").eval_context_rows
+
+
 @pytest.mark.parametrize("classes", [9, 17])
 def test_more_classes_than_the_head_are_grouped(classes):
     """Into max_classes random groups, each of which the head scores (17 classes past 4^2 once gave 5)."""

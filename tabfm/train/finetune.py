@@ -179,8 +179,10 @@ class FinetuneConfig:
     PRESETS = {
         # a few hundred steps of ~16k cells: minutes on 2 CPU cores for the tiny model
         "default": {},
-        # longer runs for larger tables: more steps, sparser evaluation
-        "long": dict(steps=2000, eval_every=100, ckpt_every=100, warmup_steps=50, patience=5),
+        # tables larger than the estimators' context: more steps, episodes as long as that context (the
+        # default's 512-row episodes found nothing on such tables), sparser evaluation on 512 held-out rows
+        "long": dict(steps=2000, eval_every=100, ckpt_every=100, warmup_steps=50, patience=5, max_rows=2048,
+                     eval_rows=512),
         # seconds: tests and a first look
         "smoke": dict(steps=8, warmup_steps=1, eval_every=4, ckpt_every=4, log_every=2, min_rows=8, max_rows=64,
                       cells_per_batch=1024, max_batch=8, eval_estimators=1, precision="fp32"),
