@@ -4,6 +4,7 @@
     nice -n 10 python benchmarks/finetune_vs_context.py --minutes 1.5 --lora-ranks 8
     nice -n 10 python benchmarks/finetune_vs_context.py --tables german,australian --lora-ranks 4,8,16
     nice -n 10 python benchmarks/finetune_vs_context.py --task regression --lora-ranks 8   # runs/regression-suite
+    nice -n 10 python benchmarks/finetune_vs_context.py --tables phoneme --preset long --minutes 4 --lora-ranks ''
 
 For each table: the first fold (or each of --protocol-folds) of the public protocol's split (`tabfm.eval.protocols.classification_splits`,
 stratified 5-fold, seed 0, as `tabfm eval` runs it) gives train and test rows. On the TEST rows,
@@ -32,18 +33,18 @@ runs' weights averaged at it, `tabfm finetune --folds K`).
 (named full-z0, full-z2, ...): the same training, a different rule for which evaluated step is
 exported (any lower held-out score, or one lower by more than Z paired standard errors).
 
-Fine-tuning runs with the default preset and steps=--steps (default 100000: the budget binds, so the cosine
-schedule is effectively flat at lr after warm-up), threads=1, and two settings scaled to a budget of tens of
-steps (a step of the default 16k-cell episodes takes ~2.5 s on one shared CPU thread): held-out
-evaluation every --eval-every 10 steps (FinetuneConfig: 25) and --warmup-steps 5 (FinetuneConfig: 20);
-the FinetuneConfig defaults otherwise (lr 1e-4 for full and LoRA unless --lora-lr, patience 4: a
-run can stop early; its evaluations count in its budget). --preset long runs that preset's settings
-instead (as `tabfm finetune --preset long --max-minutes M`); flags given still override them.
-Per run it records wall time, steps done, the stop reason, the best step, trainable parameters
-(counted on the model, adapters only for LoRA), AdamW optimizer state bytes (computed: 2 fp32
-tensors, exp_avg and exp_avg_sq, per trainable parameter; the step counters not counted), and forgetting: the export's in-context ROC-AUC on
---forgetting-tables (other tables of the suite, their first-fold split too) against the init's
-(ROC-AUC, or R^2 for regression).
+Fine-tuning runs with the default preset and steps=--steps (default 100000: the budget binds, so the
+cosine schedule is effectively flat at lr after warm-up), threads=1, and two settings scaled to a budget
+of tens of steps (a step of the default 16k-cell episodes takes ~2.5 s on one shared CPU thread):
+held-out evaluation every --eval-every 10 steps (FinetuneConfig: 25) and --warmup-steps 5
+(FinetuneConfig: 20); the FinetuneConfig defaults otherwise (lr 1e-4 for full and LoRA unless --lora-lr,
+patience 4: a run can stop early; its evaluations count in its budget). --preset long runs that preset's
+settings instead (as `tabfm finetune --preset long --max-minutes M`); flags given still override them.
+Per run it records wall time, steps done, the stop reason, the best step, trainable parameters (counted
+on the model, adapters only for LoRA), AdamW optimizer state bytes (computed: 2 fp32 tensors, exp_avg
+and exp_avg_sq, per trainable parameter; the step counters not counted), and forgetting: the export's
+in-context ROC-AUC on --forgetting-tables (other tables of the suite, their first-fold split too)
+against the init's (ROC-AUC, or R^2 for regression).
 
 Prints one markdown table per metric (rows = tables, columns = variants), a cost table and a summary
 line, and writes JSON (default benchmarks/results/finetune_vs_context.json, with --task regression
